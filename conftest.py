@@ -1,0 +1,2 @@
+# Root conftest: registers shared fixture modules (pytest only allows pytest_plugins here).
+pytest_plugins = ["tests.model_fixtures"]

@@ -1,0 +1,35 @@
+"""Turn one source into its units (pages, frames, or the single image) per the job's options."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from ingest.images import load_image
+from ingest.pdf import render_pdf_pages
+from ingest.spec import IngestOptions
+from ingest.units import RenderedImage, SourceError, SourceKind, UnitFailure
+from ingest.video import sample_video_frames
+
+
+def split_source(
+    path: Path, kind: SourceKind, options: IngestOptions
+) -> Iterator[RenderedImage | UnitFailure]:
+    """Yield the units of ``path`` (of ``kind``, from ``ingest.detect.detect_kind``).
+
+    Raises SourceError when the whole source is unreadable; per-unit problems are yielded
+    as UnitFailure so the other pages or frames go on.
+    """
+    path = Path(path)
+    if kind == "pdf":
+        yield from render_pdf_pages(
+            path, longest_side=options.longest_side, dpi=options.dpi, pages=options.pages
+        )
+    elif kind == "video":
+        yield from sample_video_frames(
+            path, fps=options.fps, max_frames=options.max_frames, num_frames=options.num_frames
+        )
+    elif kind == "image":
+        yield load_image(path)
+    else:
+        raise SourceError(f"unsupported source kind {kind!r}")

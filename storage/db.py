@@ -1,0 +1,170 @@
+"""The database handle: one engine, short transactions, and migrations run from code.
+
+The same class serves the embedded shape (a SQLite file) and the fleet (PostgreSQL); the URL
+decides. Passwords never leave this module: ``repr`` and logs use the masked URL.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+log = logging.getLogger(__name__)
+
+# How long a SQLite writer waits for the file lock before "database is locked".
+SQLITE_BUSY_TIMEOUT_S = 30.0
+# Serialises concurrent `upgrade()` calls from many fleet workers starting at once
+# (an arbitrary constant: "visbatch" in ASCII).
+_PG_MIGRATION_LOCK = 0x7669736261746368
+# Execution option that asks the SQLite BEGIN hook for a write lock up front.
+_WRITE_OPTION = "visbatch_write"
+
+
+def migrations_folder() -> Path:
+    """The installed ``migrations`` package folder (independent of the working directory)."""
+    import migrations
+
+    return Path(migrations.__file__).resolve().parent
+
+
+def mask_url(url: str | URL) -> str:
+    return make_url(url).render_as_string(hide_password=True)
+
+
+class Database:
+    """Engine + session factory for one database URL."""
+
+    def __init__(self, url: str, *, echo: bool = False) -> None:
+        self.url: URL = make_url(url)
+        self.is_sqlite = self.url.get_backend_name() == "sqlite"
+        engine_kwargs: dict[str, Any] = {"echo": echo}
+        if self.is_sqlite:
+            self._make_sqlite_folder()
+            engine_kwargs["connect_args"] = {"timeout": SQLITE_BUSY_TIMEOUT_S}
+        else:
+            # Fleet connections sit idle between tasks; a server restart must not break the next task.
+            engine_kwargs["pool_pre_ping"] = True
+        self.engine: Engine = create_engine(self.url, **engine_kwargs)
+        if self.is_sqlite:
+            _install_sqlite_hooks(self.engine)
+        self._reader = sessionmaker(self.engine, expire_on_commit=False)
+        self._writer = sessionmaker(
+            self.engine.execution_options(**{_WRITE_OPTION: True}), expire_on_commit=False
+        )
+        log.debug("database %s", self.masked_url)
+
+    @property
+    def masked_url(self) -> str:
+        return mask_url(self.url)
+
+    def __repr__(self) -> str:
+        return f"Database({self.masked_url!r})"
+
+    def _make_sqlite_folder(self) -> None:
+        database = self.url.database
+        if not database or database == ":memory:" or database.startswith("file:"):
+            return
+        Path(database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+
+    @contextmanager
+    def session(self, *, readonly: bool = False) -> Iterator[Session]:
+        """One transaction: commit on success, roll back on any error (or an abandoned generator).
+
+        ``readonly=True`` is a hint for SQLite: a writer takes the file's write lock at BEGIN
+        (``BEGIN IMMEDIATE``) so that a read-then-write transaction can never fail half-way with
+        "database is locked"; a reader does not, so long reads never block the pipeline.
+        """
+        factory = self._reader if readonly else self._writer
+        session = factory()
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+        finally:
+            session.close()
+
+    def upgrade(self, revision: str = "head") -> None:
+        """Run Alembic migrations up to ``revision`` on this database."""
+        self._run_alembic("upgrade", revision)
+
+    def downgrade(self, revision: str) -> None:
+        """Run Alembic migrations down to ``revision`` ("base" drops everything)."""
+        self._run_alembic("downgrade", revision)
+
+    def alembic_config(self) -> Any:
+        from alembic.config import Config
+
+        config = Config()
+        config.set_main_option("script_location", str(migrations_folder()))
+        config.set_main_option("path_separator", "os")
+        # ConfigParser interpolates "%": URL escapes such as %3D must be doubled.
+        url = self.url.render_as_string(hide_password=False).replace("%", "%%")
+        config.set_main_option("sqlalchemy.url", url)
+        return config
+
+    def _run_alembic(self, command_name: str, revision: str) -> None:
+        from alembic import command
+
+        config = self.alembic_config()
+        log.info("alembic %s %s on %s", command_name, revision, self.masked_url)
+        with self.migration_connection() as connection:
+            # env.py uses this connection, so SQLite pragmas and PostgreSQL search_path apply.
+            config.attributes["connection"] = connection
+            getattr(command, command_name)(config, revision)
+
+    @contextmanager
+    def migration_connection(self) -> Iterator[Any]:
+        """A connection in a transaction, prepared for running migrations on this database."""
+        if not self.is_sqlite:
+            with self.engine.begin() as connection:
+                connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK})
+                yield connection
+            return
+        with self.engine.execution_options(**{_WRITE_OPTION: True}).connect() as connection:
+            # Batch migrations rebuild tables (create, copy, drop); with foreign keys on, the DROP
+            # would cascade-delete child rows. The pragma only takes effect outside a transaction.
+            raw = connection.connection.dbapi_connection
+            assert raw is not None
+            raw.execute("PRAGMA foreign_keys=OFF")
+            try:
+                with connection.begin():
+                    yield connection
+                problems = raw.execute("PRAGMA foreign_key_check").fetchall()
+                if problems:
+                    raise RuntimeError(f"foreign key violations after migration: {problems[:10]}")
+            finally:
+                raw.execute("PRAGMA foreign_keys=ON")
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def _install_sqlite_hooks(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Take BEGIN away from the sqlite3 module (it skips it before SELECTs and DDL), so that
+        # transactions are real and we can choose BEGIN IMMEDIATE for writers.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("PRAGMA foreign_keys=ON")
+            # WAL: readers never block the writer and vice versa.
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        write = connection.get_execution_options().get(_WRITE_OPTION, False)
+        connection.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")

@@ -1,0 +1,312 @@
+"""The `visbatch` command."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ingest.spec import IngestOptions, JobSpec, Sampling
+from storage.settings import Settings
+
+app = typer.Typer(
+    help="Run vision-language models over piles of PDFs, videos and images.", no_args_is_help=True
+)
+model_app = typer.Typer(help="Model helpers.", no_args_is_help=True)
+db_app = typer.Typer(help="Database helpers.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+app.add_typer(db_app, name="db")
+
+console = Console(stderr=True)
+out = Console()
+
+EXIT_PARTIAL = 1
+EXIT_FAILED = 3
+
+OFFLINE_HINT = (
+    "If the model hub is unreachable, build the tiny offline model and use it:\n"
+    "  visbatch model tiny ./tiny-model && export VISBATCH_MODEL=./tiny-model"
+)
+
+Paths = Annotated[list[Path], typer.Argument(help="Files or folders (walked).", show_default=False)]
+LongestSide = Annotated[int | None, typer.Option(help="PDF render: longest side in px.")]
+Dpi = Annotated[int | None, typer.Option(help="PDF render at this DPI instead of a longest side.")]
+Pages = Annotated[str | None, typer.Option(help="PDF pages, 1-based ranges: '1-3,7'.")]
+Fps = Annotated[float | None, typer.Option(help="Video: frames per second to sample.")]
+NumFrames = Annotated[int | None, typer.Option(help="Video: N frames spread uniformly (instead of --fps).")]
+MaxFrames = Annotated[int, typer.Option(help="Video: at most this many frames.")]
+ModelOpt = Annotated[str | None, typer.Option(help="Hub id or local folder (default: $VISBATCH_MODEL).")]
+
+
+def _ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames) -> IngestOptions:
+    opts: dict[str, Any] = {"max_frames": max_frames, "pages": pages, "num_frames": num_frames}
+    if dpi is not None:
+        opts.update(dpi=dpi, longest_side=None)
+    elif longest_side is not None:
+        opts["longest_side"] = longest_side
+    if fps is not None:
+        opts["fps"] = fps
+    return IngestOptions(**opts)
+
+
+def _fail(message: str, code: int = 2) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(code)
+
+
+def _runtime(model: str | None):
+    from worker.runtime import Runtime
+
+    return Runtime(Settings(), model=model)
+
+
+def _load_adapter(rt) -> None:
+    try:
+        rt.adapter.visual_tokens(448, 448)
+    except Exception as exc:
+        _fail(f"cannot load model {rt.model_name!r}: {exc}\n{OFFLINE_HINT}")
+
+
+class RichProgress:
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.tasks: dict[str, Any] = {}
+
+    def start(self, stage: str, total: int | None) -> None:
+        self.tasks[stage] = self.progress.add_task(stage, total=total)
+
+    def advance(self, stage: str, n: int = 1) -> None:
+        self.progress.advance(self.tasks[stage], n)
+
+    def note(self, message: str) -> None:
+        self.progress.console.print(message)
+
+
+@app.command()
+def run(
+    paths: Paths,
+    prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="A question for every page/frame.")],
+    schema: Annotated[
+        Path | None, typer.Option(help="JSON schema file: outputs are constrained to it.")
+    ] = None,
+    model: ModelOpt = None,
+    longest_side: LongestSide = 1288,
+    dpi: Dpi = None,
+    pages: Pages = None,
+    fps: Fps = None,
+    num_frames: NumFrames = None,
+    max_frames: MaxFrames = 64,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated at most per answer.")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    seed: Annotated[int, typer.Option()] = 0,
+) -> None:
+    """Run a job in this process (embedded shape) and print its id. Exit 0 only if every unit succeeded."""
+    from worker.pipeline import run_job
+    from worker.structured import SchemaError, check_schema
+
+    json_schema = None
+    if schema is not None:
+        try:
+            json_schema = json.loads(schema.read_text())
+            check_schema(json_schema)
+        except (OSError, json.JSONDecodeError, SchemaError) as exc:
+            _fail(f"--schema {schema}: {exc}")
+    try:
+        spec = JobSpec(
+            prompts=prompt,
+            json_schema=json_schema,
+            sampling=Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed),
+            ingest=_ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames),
+        )
+    except ValueError as exc:
+        _fail(str(exc))
+    rt = _runtime(model)
+    _load_adapter(rt)
+    columns = [TextColumn("{task.description:>9}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=console) as bars:
+        job_id = run_job(rt, paths, spec, RichProgress(bars))
+    from storage import repository as repo
+
+    summary = repo.job_summary(rt.db, job_id)
+    _print_summary(summary)
+    out.print(job_id)
+    if summary["status"] != "succeeded":
+        raise typer.Exit(EXIT_PARTIAL if summary["status"] == "partial" else EXIT_FAILED)
+
+
+@app.command()
+def ingest(
+    paths: Paths,
+    out_dir: Annotated[Path, typer.Option("--out", help="Folder for the page and frame images.")],
+    model: ModelOpt = None,
+    longest_side: LongestSide = 1288,
+    dpi: Dpi = None,
+    pages: Pages = None,
+    fps: Fps = None,
+    num_frames: NumFrames = None,
+    max_frames: MaxFrames = 64,
+) -> None:
+    """Split sources into page and frame images (PNG) with their visual-token counts; no GPU, no weights."""
+    from ingest.export import export_sources
+
+    options = _ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames)
+    rt = _runtime(model)
+    _load_adapter(rt)
+    failures = 0
+    for record in export_sources(paths, out_dir, options, rt.adapter.visual_tokens):
+        if record.get("error"):
+            failures += 1
+            console.print(f"[red]{record['source']}[/] {record.get('unit', '')}: {record['error']}")
+    out.print(f"wrote {out_dir / 'manifest.jsonl'}")
+    if failures:
+        raise typer.Exit(EXIT_PARTIAL)
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    table = Table(title=f"job {s['id']}", show_header=False)
+    for key in (
+        "status",
+        "sources_total",
+        "sources_failed",
+        "units_total",
+        "units_failed",
+        "results",
+        "results_failed",
+        "cache_hits",
+        "cache_misses",
+        "visual_tokens",
+        "prompt_tokens",
+        "completion_tokens",
+    ):
+        table.add_row(key, str(s.get(key)))
+    console.print(table)
+    for err in s.get("errors", [])[:20]:
+        where = err["source"] + (f" #{err['unit']}" if err.get("unit") is not None else "")
+        console.print(f"  [red]{where}[/]: {err['message']}")
+    if len(s.get("errors", [])) > 20:
+        console.print(f"  ... {len(s['errors']) - 20} more errors (visbatch status {s['id']} --json)")
+
+
+def _summary_or_exit(job: str) -> tuple[Any, dict[str, Any]]:
+    from storage import repository as repo
+
+    rt = _runtime(None)
+    try:
+        return rt, repo.job_summary(rt.db, job)
+    except repo.JobNotFound as exc:
+        _fail(str(exc))
+        raise  # unreachable; keeps type checkers calm
+
+
+@app.command()
+def status(
+    job: str, as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False
+) -> None:
+    """A job's state, counters and errors."""
+    _, summary = _summary_or_exit(job)
+    if as_json:
+        out.print_json(json.dumps(summary, default=str))
+    else:
+        _print_summary(summary)
+
+
+RESULT_FIELDS = [
+    "source",
+    "kind",
+    "unit",
+    "timestamp",
+    "prompt_index",
+    "output",
+    "text",
+    "error",
+    "prompt_tokens",
+    "visual_tokens",
+    "completion_tokens",
+    "finish_reason",
+    "model",
+    "engine",
+    "cache_hit",
+    "latency_ms",
+]
+
+
+@app.command()
+def results(
+    job: str,
+    fmt: Annotated[str, typer.Option("--format", help="jsonl or csv.")] = "jsonl",
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="File (default: stdout).")] = None,
+) -> None:
+    """One record per result: source, unit, timestamp, prompt, output, token counts."""
+    from storage import repository as repo
+
+    if fmt not in ("jsonl", "csv"):
+        _fail("--format must be jsonl or csv")
+    rt, summary = _summary_or_exit(job)
+    with contextlib.ExitStack() as stack:
+        handle = stack.enter_context(open(output, "w", newline="")) if output else sys.stdout
+        writer = csv.DictWriter(handle, RESULT_FIELDS, extrasaction="ignore") if fmt == "csv" else None
+        if writer:
+            writer.writeheader()
+        for record in repo.iter_results(rt.db, summary["id"]):
+            if writer:
+                output_json = None if record["output"] is None else json.dumps(record["output"])
+                writer.writerow(dict(record, output=output_json))
+            else:
+                handle.write(json.dumps({k: record.get(k) for k in RESULT_FIELDS}, default=str) + "\n")
+
+
+@app.command()
+def jobs(limit: Annotated[int, typer.Option(help="How many, newest first.")] = 20) -> None:
+    """Recent jobs."""
+    from storage import repository as repo
+
+    rt = _runtime(None)
+    table = Table("id", "status", "created", "units", "failed")
+    for job in repo.list_jobs(rt.db, limit=limit):
+        table.add_row(
+            job["id"],
+            job["status"],
+            str(job["created_at"]),
+            str(job.get("units_total")),
+            str(job.get("units_failed")),
+        )
+    out.print(table)
+
+
+@model_app.command("tiny")
+def model_tiny(
+    out_dir: Annotated[Path, typer.Argument(help="Folder to write the model into.")],
+    seed: Annotated[int, typer.Option()] = 0,
+) -> None:
+    """Write a tiny RANDOM Qwen2-VL that loads offline (for tests and demos; its outputs are meaningless)."""
+    from worker.models.tiny import write_tiny_model
+
+    write_tiny_model(out_dir, seed=seed)
+    console.print(f"wrote a tiny random Qwen2-VL to {out_dir} (random weights: outputs are meaningless)")
+
+
+@db_app.command("upgrade")
+def db_upgrade() -> None:
+    """Apply the database migrations (SQLite or PostgreSQL from VISBATCH_DATABASE_URL)."""
+    from storage.db import Database
+
+    db = Database(Settings().sqlalchemy_url())
+    db.upgrade()
+    console.print("database is at the latest migration")
+
+
+@app.callback()
+def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )

@@ -1,0 +1,134 @@
+"""The encode stage: images -> visual tokens, through the token cache so no image is encoded twice."""
+
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+from PIL import Image
+
+from storage.object_store import ObjectNotFound, ObjectStore
+from storage.token_cache import TokenCache
+from worker.models.base import ModelAdapter
+from worker.visual_tokens import InvalidVisualTokens, VisualTokens
+
+log = logging.getLogger(__name__)
+
+
+def image_hash_of(image_key: str) -> str:
+    """Images are stored as images/<h[:2]>/<h>.png where h is the hash of their pixels."""
+    return PurePosixPath(image_key).stem
+
+
+@dataclass(frozen=True)
+class EncodeOutcome:
+    unit_id: int
+    cache_key: str | None
+    cache_hit: bool
+    error: str | None = None
+
+
+@dataclass
+class EncodeStats:
+    tower_calls: int = 0
+    images_encoded: int = 0
+    corrupt_entries: int = 0
+
+
+class VisualTokenStore:
+    """Gets an image's visual tokens from the cache, or from the tower (and then caches them)."""
+
+    def __init__(
+        self, adapter: ModelAdapter, cache: TokenCache, store: ObjectStore, batch_images: int = 8
+    ) -> None:
+        self.adapter = adapter
+        self.cache = cache
+        self.store = store
+        self.batch_images = max(1, batch_images)
+        self.stats = EncodeStats()
+
+    def cache_key(self, image_key: str) -> str:
+        return self.adapter.cache_key(image_hash_of(image_key))
+
+    def lookup(self, cache_key: str) -> VisualTokens | None:
+        """A validated cache entry, or None. A corrupt entry is dropped so it gets re-encoded."""
+        data = self.cache.get(cache_key)
+        if data is None:
+            return None
+        try:
+            return VisualTokens.from_bytes(
+                data,
+                fingerprint=self.adapter.fingerprint,
+                hidden_size=self.adapter.hidden_size,
+                merge_size=self.adapter.merge_size,
+                dtype=self.adapter.dtype,
+            )
+        except InvalidVisualTokens as exc:
+            log.warning("dropping bad token-cache entry %s: %s", cache_key, exc)
+            self.stats.corrupt_entries += 1
+            self.cache.delete(cache_key)
+            return None
+
+    def _load_image(self, image_key: str) -> Image.Image:
+        with Image.open(io.BytesIO(self.store.get_bytes(image_key))) as img:
+            return img.convert("RGB")
+
+    def encode_keys(self, image_keys: list[str]) -> list[VisualTokens]:
+        """Run the tower over these images (in batches) and write every result to the cache."""
+        out: list[VisualTokens] = []
+        for start in range(0, len(image_keys), self.batch_images):
+            chunk = image_keys[start : start + self.batch_images]
+            images = [self._load_image(k) for k in chunk]
+            self.stats.tower_calls += 1
+            tokens = self.adapter.encode(images)
+            self.stats.images_encoded += len(images)
+            for key, vt in zip(chunk, tokens, strict=True):
+                self.cache.put(self.cache_key(key), vt.to_bytes(self.adapter.fingerprint))
+            out.extend(tokens)
+        return out
+
+    def get(self, image_key: str) -> VisualTokens:
+        """For generation: the cached tokens, re-encoded if the cache evicted them meanwhile."""
+        found = self.lookup(self.cache_key(image_key))
+        return found if found is not None else self.encode_keys([image_key])[0]
+
+    def encode_units(self, units: list[tuple[int, str]]) -> list[EncodeOutcome]:
+        """Make sure every (unit_id, image_key) has cached tokens; hits skip the tower entirely.
+
+        Units sharing an image (identical pages, static frames) are encoded once.
+        """
+        outcomes: dict[int, EncodeOutcome] = {}
+        misses: dict[str, list[int]] = {}
+        for unit_id, image_key in units:
+            key = self.cache_key(image_key)
+            # The tensors are not needed here: checking the header and shape is enough.
+            if self.lookup(key) is not None:
+                outcomes[unit_id] = EncodeOutcome(unit_id, key, cache_hit=True)
+            else:
+                misses.setdefault(image_key, []).append(unit_id)
+        keys = list(misses)
+        for start in range(0, len(keys), self.batch_images):
+            chunk = keys[start : start + self.batch_images]
+            try:
+                self.encode_keys(chunk)
+                done = {k: None for k in chunk}
+            except Exception as exc:  # one bad image must not fail the batch: retry each alone
+                log.warning("encode batch failed (%s); retrying images one by one", exc)
+                done = {k: self._encode_alone(k) for k in chunk}
+            for image_key, error in done.items():
+                key = self.cache_key(image_key)
+                for i, unit_id in enumerate(misses[image_key]):
+                    # Only the first unit of a shared image paid for the tower.
+                    outcomes[unit_id] = EncodeOutcome(unit_id, None if error else key, i > 0, error)
+        return [outcomes[unit_id] for unit_id, _ in units]
+
+    def _encode_alone(self, image_key: str) -> str | None:
+        try:
+            self.encode_keys([image_key])
+            return None
+        except ObjectNotFound:
+            return f"image {image_key} is missing from the object store"
+        except Exception as exc:
+            return f"vision tower failed: {type(exc).__name__}: {exc}"

@@ -1,0 +1,37 @@
+"""The engine interface: a batch of prepared requests in, one generation per request out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from worker.visual_tokens import VisualTokens
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    prompt_ids: list[int]  # chat prompt, image placeholders expanded
+    visual: VisualTokens
+    cache_key: str  # identifies the image content + preprocessing + model (prefix-cache id)
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    json_schema: dict[str, Any] | None = field(default=None, hash=False)
+
+    @property
+    def sampling_key(self) -> tuple[float, float, int]:
+        return (self.temperature, self.top_p, self.seed)
+
+
+@dataclass(frozen=True)
+class Generation:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (end of sequence) or "length" (max_new_tokens reached)
+
+
+class Engine(Protocol):
+    name: str
+
+    def generate(self, requests: list[EngineRequest]) -> list[Generation]: ...

@@ -1,0 +1,115 @@
+"""The model-adapter interface: what visbatch needs to know about one VLM family.
+
+Four things, and nothing else: the token rule (how many visual tokens an image of a given
+size becomes, without weights), encode (pixels -> visual tokens with the vision tower), the
+prompt template, and how generation inputs are built from cached tokens (embedding injection).
+Engines and the pipeline only talk to this interface, so adding a family is one module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+
+from worker.visual_tokens import VisualTokens
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    source: str  # hub id or local folder
+    revision: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            # bf16 halves memory on GPU; CPUs here are faster and exact in fp32.
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
+
+class ModelAdapter(ABC):
+    """One model family. Construction is cheap (config and processor only); weights load lazily."""
+
+    family: str = ""
+
+    def __init__(self, ref: ModelRef) -> None:
+        self.ref = ref
+        self.device = ref.torch_device()
+        self.dtype = ref.torch_dtype()
+
+    # --- token rule (no weights) -------------------------------------------------------
+
+    @abstractmethod
+    def visual_tokens(self, width: int, height: int) -> int:
+        """Visual tokens this image becomes, by the processor's own resize rule."""
+
+    @abstractmethod
+    def preprocessing(self) -> dict[str, Any]:
+        """Every parameter that changes the pixels the tower sees (for the cache key)."""
+
+    @property
+    def fingerprint(self) -> str:
+        """Model, revision, dtype and preprocessing: equal fingerprints give equal tokens."""
+        blob = json.dumps(
+            {
+                "family": self.family,
+                "model": self.ref.source,
+                "revision": self.ref.revision,
+                "dtype": str(self.dtype),
+                "preprocessing": self.preprocessing(),
+            },
+            sort_keys=True,
+            default=str,
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+    def cache_key(self, image_hash: str) -> str:
+        return hashlib.sha256(f"{image_hash}:{self.fingerprint}".encode()).hexdigest()
+
+    # --- weights -----------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def hidden_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def merge_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Any: ...
+
+    @property
+    @abstractmethod
+    def model(self) -> torch.nn.Module:
+        """The whole VLM, loaded on first use and kept for the life of the process."""
+
+    @abstractmethod
+    def encode(self, images: list[Image.Image]) -> list[VisualTokens]:
+        """Run the vision tower over a batch of images."""
+
+    @abstractmethod
+    def prompt_ids(self, prompt: str, num_visual_tokens: int) -> list[int]:
+        """Token ids of the chat prompt with the image first and its placeholders expanded."""
+
+    @abstractmethod
+    def generation_inputs(self, prompts: list[list[int]], visuals: list[VisualTokens]) -> dict[str, Any]:
+        """Left-padded batch inputs for `model.generate` with cached embeddings injected."""
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        return [eos] if isinstance(eos, int) else list(eos or [])

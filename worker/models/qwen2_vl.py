@@ -1,0 +1,134 @@
+"""Qwen2-VL and Qwen2.5-VL: 14-px patches merged 2x2, one visual token per 28x28 px after smart_resize."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+import torch
+from PIL import Image
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from worker.models.base import ModelAdapter
+from worker.visual_tokens import VisualTokens
+
+# image == 1, video == 2 in the M-RoPE index (transformers' get_rope_index).
+IMAGE_TOKEN_TYPE = 1
+
+
+class Qwen2VLAdapter(ModelAdapter):
+    family = "qwen2_vl"
+    model_class_name = "Qwen2VLForConditionalGeneration"
+
+    @cached_property
+    def processor(self) -> Any:
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(self.ref.source, revision=self.ref.revision)
+
+    @cached_property
+    def config(self) -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.ref.source, revision=self.ref.revision)
+
+    # --- token rule --------------------------------------------------------------------
+
+    @cached_property
+    def _resize_rule(self) -> tuple[int, int, int]:
+        ip = self.processor.image_processor
+        factor = ip.patch_size * ip.merge_size
+        return factor, ip.size["shortest_edge"], ip.size["longest_edge"]
+
+    def resized(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) the processor resizes to; ValueError for aspect ratios over 200."""
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        factor, min_pixels, max_pixels = self._resize_rule
+        h, w = smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+        return w, h
+
+    def visual_tokens(self, width: int, height: int) -> int:
+        factor = self._resize_rule[0]
+        w, h = self.resized(width, height)
+        return (w // factor) * (h // factor)
+
+    def preprocessing(self) -> dict[str, Any]:
+        return self.processor.image_processor.to_dict()
+
+    # --- weights -----------------------------------------------------------------------
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.text_config.hidden_size)
+
+    @property
+    def merge_size(self) -> int:
+        return int(self.processor.image_processor.merge_size)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
+
+    @cached_property
+    def model(self) -> torch.nn.Module:
+        import transformers
+
+        cls = getattr(transformers, self.model_class_name)
+        model = cls.from_pretrained(self.ref.source, revision=self.ref.revision, dtype=self.dtype)
+        return model.to(self.device).eval()
+
+    @torch.inference_mode()
+    def encode(self, images: list[Image.Image]) -> list[VisualTokens]:
+        inputs = self.processor.image_processor(images=images, return_tensors="pt")
+        pixels = inputs["pixel_values"].to(self.device, self.dtype)
+        grid = inputs["image_grid_thw"].to(self.device)
+        merged = self.model.model.visual(pixels, grid_thw=grid).pooler_output
+        sizes = (grid.prod(-1) // self.merge_size**2).tolist()
+        return [
+            VisualTokens(
+                embeds=chunk.to("cpu", self.dtype).clone(), grid_thw=g.view(1, 3).cpu().to(torch.int64)
+            )
+            for chunk, g in zip(torch.split(merged, sizes), grid, strict=True)
+        ]
+
+    @cached_property
+    def image_token_id(self) -> int:
+        return int(self.config.image_token_id)
+
+    def _template_ids(self, prompt: str) -> list[int]:
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt_ids(self, prompt: str, num_visual_tokens: int) -> list[int]:
+        ids = self._template_ids(prompt)
+        at = ids.index(self.image_token_id)
+        if ids.count(self.image_token_id) != 1:
+            raise ValueError("the prompt must not contain image placeholder tokens")
+        return ids[:at] + [self.image_token_id] * num_visual_tokens + ids[at + 1 :]
+
+    def generation_inputs(self, prompts: list[list[int]], visuals: list[VisualTokens]) -> dict[str, Any]:
+        pad = self.tokenizer.pad_token_id
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, ids in enumerate(prompts):
+            # Left padding: every row's next token lands in the last column.
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention[row, width - len(ids) :] = 1
+        token_types = (input_ids == self.image_token_id).to(torch.int32) * IMAGE_TOKEN_TYPE
+        embeds = tuple(v.embeds.to(self.device, self.dtype) for v in visuals)
+        return {
+            "input_ids": input_ids.to(self.device),
+            "attention_mask": attention.to(self.device),
+            "mm_token_type_ids": token_types.to(self.device),
+            "image_grid_thw": torch.cat([v.grid_thw for v in visuals]).to(self.device),
+            # transformers puts these at the image-token positions instead of running the tower.
+            "mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=embeds)},
+        }
+
+
+class Qwen25VLAdapter(Qwen2VLAdapter):
+    family = "qwen2_5_vl"
+    model_class_name = "Qwen2_5_VLForConditionalGeneration"

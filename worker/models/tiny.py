@@ -1,0 +1,145 @@
+"""A tiny random Qwen2-VL that builds offline: what tests, the offline demo and benchmarks run.
+
+Its weights are random, so its outputs are meaningless text; what it proves is that every
+stage (processor, vision tower, token cache, embedding injection, packing, SQL) works with
+the real transformers classes, without the model hub.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TINY_README = """# visbatch tiny random Qwen2-VL
+
+Built offline by `visbatch model tiny` from a config: RANDOM weights.
+Its outputs are meaningless; it exists to exercise the pipeline without the model hub.
+"""
+
+# Qwen's special tokens, in the order (and so with the ids) our byte-level vocab gives them.
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# The Qwen2-VL chat template, reduced to what visbatch sends (system/user text and images).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer():
+    """A byte-level BPE tokenizer with no merges: every byte is a token, plus Qwen's specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=32768,
+    )
+
+
+def tiny_config(tokenizer, *, hidden_size: int = 128, layers: int = 2, vision_depth: int = 2):
+    from transformers import Qwen2VLConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    heads = 2
+    head_dim = hidden_size // heads
+    # M-RoPE splits head_dim/2 rotary frequencies over (temporal, height, width).
+    quarter = head_dim // 2 // 4
+    mrope_section = [head_dim // 2 - 2 * quarter * 3 // 2, quarter * 3 // 2, quarter * 3 // 2]
+    return Qwen2VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": hidden_size,
+            "intermediate_size": hidden_size * 2,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 32768,
+            "rope_parameters": {
+                "rope_type": "default",
+                "mrope_section": mrope_section,
+                "rope_theta": 10000.0,
+            },
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        vision_config={
+            "depth": vision_depth,
+            "embed_dim": 64,
+            "hidden_size": hidden_size,
+            "num_heads": 2,
+            "mlp_ratio": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
+def write_tiny_model(out: Path, *, seed: int = 0, hidden_size: int = 128, layers: int = 2) -> Path:
+    """Write a loadable tiny Qwen2-VL (config, safetensors, tokenizer, processor) into `out`."""
+    import torch
+    from transformers import (
+        GenerationConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = tiny_config(tokenizer, hidden_size=hidden_size, layers=layers)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    model.generation_config = GenerationConfig(
+        eos_token_id=config.text_config.eos_token_id,
+        pad_token_id=config.text_config.pad_token_id,
+        do_sample=False,
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    # Real Qwen2-VL defaults: 14 px patches merged 2x2, so one visual token covers 28x28 px.
+    image_processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
+    video_processor = Qwen2VLVideoProcessor()
+    processor = Qwen2VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+    (out / "README.md").write_text(TINY_README)
+    (out / "visbatch_tiny.json").write_text(json.dumps({"seed": seed, "random_weights": True}))
+    return out

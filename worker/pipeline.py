@@ -1,0 +1,145 @@
+"""The embedded pipeline: ingest -> encode -> generate -> persist, in-process, for one job.
+
+Each stage reads its work from the database and writes its outcome back, so the same stage
+functions serve the Celery fleet; here they simply run one after the other.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from pathlib import Path
+from typing import Protocol
+
+from ingest.spec import JobSpec
+from ingest.stage import expand_paths, inspect_source, unit_rows
+from ingest.units import SourceError
+from storage import repository as repo
+from worker.generate import GenerateStage, RequestRef
+from worker.packing import padding_waste
+from worker.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+UNIT_CHUNK = 64  # rows per insert: bounds memory on 2,000-page PDFs
+
+
+class Progress(Protocol):
+    def start(self, stage: str, total: int | None) -> None: ...
+
+    def advance(self, stage: str, n: int = 1) -> None: ...
+
+    def note(self, message: str) -> None: ...
+
+
+class NullProgress:
+    def start(self, stage: str, total: int | None) -> None:
+        pass
+
+    def advance(self, stage: str, n: int = 1) -> None:
+        pass
+
+    def note(self, message: str) -> None:
+        log.info(message)
+
+
+def ingest_job(rt: Runtime, job_id: str, paths: list[Path], spec: JobSpec, progress: Progress) -> None:
+    files = expand_paths(paths)
+    progress.start("ingest", len(files))
+    for path in files:
+        source_id = repo.add_source(rt.db, job_id, str(path))
+        ingest_one(rt, job_id, source_id, path, spec)
+        progress.advance("ingest")
+
+
+def ingest_one(rt: Runtime, job_id: str, source_id: int, path: Path, spec: JobSpec) -> None:
+    try:
+        info = inspect_source(path)
+    except SourceError as exc:
+        repo.fail_source(rt.db, source_id, str(exc))
+        return
+    except OSError as exc:
+        repo.fail_source(rt.db, source_id, f"cannot read: {exc.strerror or exc}")
+        return
+    chunk: list[repo.UnitRow] = []
+    try:
+        for row in unit_rows(path, info.kind, spec.ingest, rt.store, rt.adapter.visual_tokens):
+            chunk.append(row)
+            if len(chunk) >= UNIT_CHUNK:
+                repo.add_units(rt.db, job_id, source_id, chunk)
+                chunk = []
+        if chunk:
+            repo.add_units(rt.db, job_id, source_id, chunk)
+    except SourceError as exc:
+        repo.fail_source(rt.db, source_id, str(exc), kind=info.kind, sha256=info.sha256, size=info.size)
+        return
+    repo.mark_source_ingested(rt.db, source_id, kind=info.kind, sha256=info.sha256, size=info.size)
+
+
+def encode_job(rt: Runtime, job_id: str, progress: Progress) -> None:
+    units = repo.units_to_encode(rt.db, job_id)
+    progress.start("encode", len(units))
+    step = max(1, rt.settings.encode_batch_images)
+    for start in range(0, len(units), step):
+        chunk = units[start : start + step]
+        outcomes = rt.tokens.encode_units([(u.unit_id, u.image_key) for u in chunk])
+        ok = [(o.unit_id, o.cache_key, o.cache_hit) for o in outcomes if o.error is None]
+        failed = [(o.unit_id, o.error) for o in outcomes if o.error is not None]
+        if ok:
+            repo.mark_units_encoded(rt.db, ok)
+        if failed:
+            repo.fail_units(rt.db, failed)
+        progress.advance("encode", len(chunk))
+
+
+def generate_job(rt: Runtime, job_id: str, spec: JobSpec, progress: Progress) -> None:
+    units = repo.units_to_generate(rt.db, job_id)
+    stage = GenerateStage(
+        rt.adapter,
+        rt.engine,
+        rt.tokens,
+        token_budget=rt.settings.token_budget,
+        max_batch_size=rt.settings.max_batch_size,
+        model_name=rt.model_name,
+    )
+    requests = [
+        RequestRef(u.unit_id, p, u.image_key, u.visual_tokens, bool(u.cache_hit))
+        for u in units
+        for p in range(len(spec.prompts))
+    ]
+    batches = stage.plan(spec, requests)
+    progress.start("generate", len(requests))
+    if batches:
+        progress.note(
+            f"{len(requests)} requests in {len(batches)} batches, padding {padding_waste(batches):.1%}"
+        )
+    remaining = defaultdict(lambda: len(spec.prompts))
+    for batch in batches:
+        rows = stage.run_batch(spec, batch)
+        repo.upsert_results(rt.db, job_id, rows)
+        finished = []
+        for row in rows:
+            remaining[row.unit_id] -= 1
+            if remaining[row.unit_id] == 0:
+                finished.append(row.unit_id)
+        if finished:
+            repo.finish_units(rt.db, job_id, finished)
+        progress.advance("generate", len(rows))
+
+
+def run_job(rt: Runtime, paths: list[Path], spec: JobSpec, progress: Progress | None = None) -> str:
+    """Run a whole job in this process; returns its id. The job always ends in a final state."""
+    progress = progress or NullProgress()
+    job_spec = spec.model_copy(update={"model": rt.model_name})
+    job_id = repo.create_job(rt.db, job_spec.model_dump(mode="json"), status="running")
+    progress.note(f"job {job_id}")
+    try:
+        ingest_job(rt, job_id, paths, spec, progress)
+        encode_job(rt, job_id, progress)
+        generate_job(rt, job_id, spec, progress)
+    except BaseException as exc:
+        # Interrupted (Ctrl-C) or a bug: record it, so `visbatch status` explains what happened.
+        repo.set_job_status(rt.db, job_id, "failed", error=f"{type(exc).__name__}: {exc}")
+        raise
+    repo.close_job(rt.db, job_id)
+    return job_id
