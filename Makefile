@@ -30,7 +30,7 @@ else
 RUN_MODEL := $(MODEL)
 run: install
 endif
-	$(BIN)/visbatch run examples/ --model $(RUN_MODEL) --prompt "$(PROMPT)" \
+	$(BIN)/visbatch run examples/invoice.pdf examples/clip.mp4 --model $(RUN_MODEL) --prompt "$(PROMPT)" \
 		--prompt "Is there a table or a chart? Answer yes or no." --max-new-tokens 24
 
 test: install

@@ -173,7 +173,7 @@ def ingest(
 
 
 def _print_summary(s: dict[str, Any]) -> None:
-    table = Table(title=f"job {s['id']}", show_header=False)
+    table = Table(title=f"job {s['id']}", show_header=False, min_width=40)
     for key in (
         "status",
         "sources_total",
@@ -215,7 +215,8 @@ def status(
     """A job's state, counters and errors."""
     _, summary = _summary_or_exit(job)
     if as_json:
-        out.print_json(json.dumps(summary, default=str))
+        # Plain print: machine-readable output must not be wrapped or styled.
+        print(json.dumps(summary, default=str, indent=2))
     else:
         _print_summary(summary)
 
@@ -271,15 +272,12 @@ def jobs(limit: Annotated[int, typer.Option(help="How many, newest first.")] = 2
     from storage import repository as repo
 
     rt = _runtime(None)
-    table = Table("id", "status", "created", "units", "failed")
+    table = Table("status", "created", "units", "failed")
+    table.add_column("id", no_wrap=True)
     for job in repo.list_jobs(rt.db, limit=limit):
-        table.add_row(
-            job["id"],
-            job["status"],
-            str(job["created_at"]),
-            str(job.get("units_total")),
-            str(job.get("units_failed")),
-        )
+        created = str(job["created_at"])[:19]
+        units, failed = str(job.get("units_total")), str(job.get("units_failed"))
+        table.add_row(job["status"], created, units, failed, job["id"])
     out.print(table)
 
 

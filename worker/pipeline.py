@@ -137,8 +137,11 @@ def run_job(rt: Runtime, paths: list[Path], spec: JobSpec, progress: Progress | 
         ingest_job(rt, job_id, paths, spec, progress)
         encode_job(rt, job_id, progress)
         generate_job(rt, job_id, spec, progress)
-    except BaseException as exc:
-        # Interrupted (Ctrl-C) or a bug: record it, so `visbatch status` explains what happened.
+    except KeyboardInterrupt:
+        repo.set_job_status(rt.db, job_id, "cancelled", error="interrupted (Ctrl-C); finished work is kept")
+        raise
+    except Exception as exc:
+        # A bug or a dead service: record it, so `visbatch status` explains what happened.
         repo.set_job_status(rt.db, job_id, "failed", error=f"{type(exc).__name__}: {exc}")
         raise
     repo.close_job(rt.db, job_id)

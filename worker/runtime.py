@@ -6,6 +6,7 @@ Built lazily, so `visbatch status` never loads a model and `visbatch ingest` nev
 from __future__ import annotations
 
 from functools import cached_property
+from pathlib import Path
 
 from storage.db import Database
 from storage.object_store import ObjectStore, open_object_store
@@ -19,7 +20,9 @@ from worker.models import ModelAdapter, ModelRef, load_adapter
 class Runtime:
     def __init__(self, settings: Settings, model: str | None = None) -> None:
         self.settings = settings
-        self.model_name = model or settings.model
+        name = model or settings.model
+        # A local folder is recorded by its absolute path, so results say which model made them.
+        self.model_name = str(Path(name).resolve()) if Path(name).is_dir() else name
 
     @cached_property
     def db(self) -> Database:

@@ -1,0 +1,107 @@
+"""The `visbatch` command, run in-process with Typer's runner on the tiny model."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.media import write_pdf, write_video
+from worker.cli import EXIT_PARTIAL, app
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def env(tmp_path, tiny_model_dir, monkeypatch) -> Path:
+    monkeypatch.setenv("VISBATCH_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("VISBATCH_MODEL", str(tiny_model_dir))
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    write_pdf(inputs / "doc.pdf", pages=2)
+    write_video(inputs / "clip.mp4", seconds=2)
+    return inputs
+
+
+def _run(*args: str):
+    return CliRunner().invoke(app, list(args), catch_exceptions=False)
+
+
+def _job_id(result) -> str:
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_run_status_results(env):
+    result = _run("run", str(env), "-p", "What is this?", "-p", "Any table?", "--max-new-tokens", "4")
+    assert result.exit_code == 0, result.output
+    job = _job_id(result)
+    status = json.loads(_run("status", job, "--json").stdout)
+    expected = {
+        "id": job,
+        "status": "succeeded",
+        "sources_total": 2,
+        "sources_failed": 0,
+        "units_total": 4,
+        "units_failed": 0,
+        "results": 8,
+        "cache_hits": 0,
+        "cache_misses": 4,
+        "errors": [],
+    }
+    assert {k: status[k] for k in expected} == expected
+
+    lines = [json.loads(line) for line in _run("results", job).stdout.splitlines()]
+    assert len(lines) == 8
+    frames = [r for r in lines if r["kind"] == "video"]
+    assert sorted({r["timestamp"] for r in frames}) == [0.0, 1.0]
+    assert all(r["completion_tokens"] <= 4 and r["visual_tokens"] > 0 for r in lines)
+
+    rows = list(csv.DictReader(io.StringIO(_run("results", job[:8], "--format", "csv").stdout)))
+    assert len(rows) == 8 and {r["prompt_index"] for r in rows} == {"0", "1"}
+
+
+def test_partial_exit_code_and_errors(env):
+    (env / "notes.pdf").write_text("not a pdf at all")
+    result = _run("run", str(env), "-p", "Hi", "--max-new-tokens", "2")
+    assert result.exit_code == EXIT_PARTIAL
+    status = json.loads(_run("status", _job_id(result), "--json").stdout)
+    assert status["status"] == "partial"
+    [error] = status["errors"]
+    assert error["source"].endswith("notes.pdf") and "not a PDF, video or image" in error["message"]
+
+
+def test_unknown_job(env):
+    result = _run("status", "0123456789abcdef")
+    assert result.exit_code == 2
+
+
+def test_bad_schema_is_refused(env, tmp_path):
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "nope"}')
+    result = _run("run", str(env), "-p", "x", "--schema", str(schema))
+    assert result.exit_code == 2 and "schema" in result.output
+
+
+def test_ingest_writes_images_and_manifest(env, tmp_path):
+    out = tmp_path / "out"
+    result = _run("ingest", str(env), "--out", str(out), "--longest-side", "640", "--num-frames", "3")
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert len(records) == 2 + 3
+    for record in records:
+        assert (out / record["file"]).is_file()
+        assert record["visual_tokens"] > 0
+    pages = [r for r in records if r["kind"] == "pdf"]
+    assert all(max(r["width"], r["height"]) == 640 for r in pages)
+    assert "Invoice total" in pages[0]["text"]
+
+
+def test_model_tiny_writes_a_loadable_model(tmp_path):
+    result = _run("model", "tiny", str(tmp_path / "m"))
+    assert result.exit_code == 0
+    assert (tmp_path / "m" / "model.safetensors").is_file()
+    assert "meaningless" in result.output
