@@ -27,6 +27,18 @@ def tiny_adapter(tiny_model_dir):
     return load_adapter(ModelRef(str(tiny_model_dir)))
 
 
+@pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl"])
+def family_adapter(request, tmp_path_factory):
+    """A tiny adapter per supported family (Qwen2-VL, Qwen2.5-VL)."""
+    from worker.models import ModelRef, load_adapter
+    from worker.models.tiny import write_tiny_model
+
+    folder = write_tiny_model(tmp_path_factory.mktemp(request.param), family=request.param)
+    adapter = load_adapter(ModelRef(str(folder)))
+    assert adapter.family == request.param
+    return adapter
+
+
 @pytest.fixture
 def settings_factory(tmp_path, tiny_model_dir):
     def make(**overrides) -> Settings:

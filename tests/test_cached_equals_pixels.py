@@ -65,7 +65,8 @@ SIZES = [(448, 448), (700, 300), (1280, 720), (97, 1500), (56, 56)]
 
 
 @pytest.mark.slow
-def test_images_of_several_sizes(tiny_adapter):
+def test_images_of_several_sizes(family_adapter):
+    tiny_adapter = family_adapter
     images = [_random_image(w, h, seed=i) for i, (w, h) in enumerate(SIZES)]
     engine = make_engine("transformers", tiny_adapter)
     visuals = _through_cache(tiny_adapter, images)
@@ -77,7 +78,8 @@ def test_images_of_several_sizes(tiny_adapter):
 
 
 @pytest.mark.slow
-def test_video_frames(tiny_adapter, tmp_path):
+def test_video_frames(family_adapter, tmp_path):
+    tiny_adapter = family_adapter
     from ingest.units import RenderedImage
     from ingest.video import sample_video_frames
     from tests.media import write_video

@@ -285,11 +285,12 @@ def jobs(limit: Annotated[int, typer.Option(help="How many, newest first.")] = 2
 def model_tiny(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the model into.")],
     seed: Annotated[int, typer.Option()] = 0,
+    family: Annotated[str, typer.Option(help="qwen2_vl or qwen2_5_vl.")] = "qwen2_vl",
 ) -> None:
     """Write a tiny RANDOM Qwen2-VL that loads offline (for tests and demos; its outputs are meaningless)."""
     from worker.models.tiny import write_tiny_model
 
-    write_tiny_model(out_dir, seed=seed)
+    write_tiny_model(out_dir, family=family, seed=seed)
     console.print(f"wrote a tiny random Qwen2-VL to {out_dir} (random weights: outputs are meaningless)")
 
 

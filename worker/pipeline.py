@@ -80,9 +80,13 @@ def encode_job(rt: Runtime, job_id: str, progress: Progress) -> None:
     units = repo.units_to_encode(rt.db, job_id)
     progress.start("encode", len(units))
     step = max(1, rt.settings.encode_batch_images)
+    hits = misses = 0
+    written_before = rt.cache.stats.bytes_written
     for start in range(0, len(units), step):
         chunk = units[start : start + step]
         outcomes = rt.tokens.encode_units([(u.unit_id, u.image_key) for u in chunk])
+        hits += sum(o.cache_hit for o in outcomes if o.error is None)
+        misses += sum(not o.cache_hit for o in outcomes if o.error is None)
         ok = [(o.unit_id, o.cache_key, o.cache_hit) for o in outcomes if o.error is None]
         failed = [(o.unit_id, o.error) for o in outcomes if o.error is not None]
         if ok:
@@ -90,6 +94,11 @@ def encode_job(rt: Runtime, job_id: str, progress: Progress) -> None:
         if failed:
             repo.fail_units(rt.db, failed)
         progress.advance("encode", len(chunk))
+    written = (rt.cache.stats.bytes_written - written_before) / 1e6
+    progress.note(
+        f"token cache: {hits} hits, {misses} misses, {written:.1f} MB written; "
+        f"vision tower ran {rt.tokens.stats.tower_calls} batches"
+    )
 
 
 def generate_job(rt: Runtime, job_id: str, spec: JobSpec, progress: Progress) -> None:

@@ -62,8 +62,39 @@ def build_tokenizer():
     )
 
 
-def tiny_config(tokenizer, *, hidden_size: int = 128, layers: int = 2, vision_depth: int = 2):
-    from transformers import Qwen2VLConfig
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def _vision_config(family: str, hidden_size: int, depth: int) -> dict:
+    common = {
+        "depth": depth,
+        "num_heads": 2,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    if family == "qwen2_vl":
+        return {**common, "embed_dim": 64, "hidden_size": hidden_size, "mlp_ratio": 2}
+    # Qwen2.5-VL: windowed attention (112 px windows) except in the full-attention blocks,
+    # and the merger projects to the LM width (out_hidden_size).
+    return {
+        **common,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "out_hidden_size": hidden_size,
+        "window_size": 112,
+        "fullatt_block_indexes": [depth - 1],
+    }
+
+
+def tiny_config(
+    tokenizer, *, family: str = "qwen2_vl", hidden_size: int = 128, layers: int = 2, vision_depth: int = 2
+):
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r} (choose from {', '.join(FAMILIES)})")
+    config_class = Qwen2VLConfig if family == "qwen2_vl" else Qwen2_5_VLConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     heads = 2
@@ -71,7 +102,7 @@ def tiny_config(tokenizer, *, hidden_size: int = 128, layers: int = 2, vision_de
     # M-RoPE splits head_dim/2 rotary frequencies over (temporal, height, width).
     quarter = head_dim // 2 // 4
     mrope_section = [head_dim // 2 - 2 * quarter * 3 // 2, quarter * 3 // 2, quarter * 3 // 2]
-    return Qwen2VLConfig(
+    return config_class(
         text_config={
             "vocab_size": len(tokenizer),
             "hidden_size": hidden_size,
@@ -89,16 +120,7 @@ def tiny_config(tokenizer, *, hidden_size: int = 128, layers: int = 2, vision_de
             "eos_token_id": ids["<|im_end|>"],
             "pad_token_id": ids["<|endoftext|>"],
         },
-        vision_config={
-            "depth": vision_depth,
-            "embed_dim": 64,
-            "hidden_size": hidden_size,
-            "num_heads": 2,
-            "mlp_ratio": 2,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-        },
+        vision_config=_vision_config(family, hidden_size, vision_depth),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
@@ -107,23 +129,22 @@ def tiny_config(tokenizer, *, hidden_size: int = 128, layers: int = 2, vision_de
     )
 
 
-def write_tiny_model(out: Path, *, seed: int = 0, hidden_size: int = 128, layers: int = 2) -> Path:
-    """Write a loadable tiny Qwen2-VL (config, safetensors, tokenizer, processor) into `out`."""
+def write_tiny_model(
+    out: Path, *, family: str = "qwen2_vl", seed: int = 0, hidden_size: int = 128, layers: int = 2
+) -> Path:
+    """Write a loadable tiny Qwen2-VL or Qwen2.5-VL (config, safetensors, tokenizer, processor) into `out`."""
     import torch
-    from transformers import (
-        GenerationConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessor,
-        Qwen2VLProcessor,
-        Qwen2VLVideoProcessor,
-    )
+    import transformers
+    from transformers import GenerationConfig, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    prefix = "Qwen2VL" if family == "qwen2_vl" else "Qwen2_5_VL"
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    config = tiny_config(tokenizer, hidden_size=hidden_size, layers=layers)
+    config = tiny_config(tokenizer, family=family, hidden_size=hidden_size, layers=layers)
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).eval()
+    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval()
     model.generation_config = GenerationConfig(
         eos_token_id=config.text_config.eos_token_id,
         pad_token_id=config.text_config.pad_token_id,
@@ -133,7 +154,7 @@ def write_tiny_model(out: Path, *, seed: int = 0, hidden_size: int = 128, layers
     # Real Qwen2-VL defaults: 14 px patches merged 2x2, so one visual token covers 28x28 px.
     image_processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
     video_processor = Qwen2VLVideoProcessor()
-    processor = Qwen2VLProcessor(
+    processor = getattr(transformers, f"{prefix}Processor")(
         image_processor=image_processor,
         tokenizer=tokenizer,
         video_processor=video_processor,
@@ -141,5 +162,7 @@ def write_tiny_model(out: Path, *, seed: int = 0, hidden_size: int = 128, layers
     )
     processor.save_pretrained(out)
     (out / "README.md").write_text(TINY_README)
-    (out / "visbatch_tiny.json").write_text(json.dumps({"seed": seed, "random_weights": True}))
+    (out / "visbatch_tiny.json").write_text(
+        json.dumps({"family": family, "seed": seed, "random_weights": True})
+    )
     return out
