@@ -23,16 +23,55 @@ class Settings(BaseSettings):
     store_url: str | None = Field(None, description="Object store URL; default: a folder under home.")
     cache_url: str | None = Field(None, description="Visual-token cache URL; default: a folder under home.")
     cache_max_bytes: int = Field(2 * 1024**3, description="Byte budget of the folder token cache (LRU).")
+    # Fleet: cache_url=redis://cache-redis:6379/0 (hot) + cache_cold_url=s3://bucket/prefix (durable).
+    cache_cold_url: str | None = Field(
+        None, description="Cold token-cache tier (s3://bucket/prefix); with it, cache_url is the hot tier."
+    )
+    cache_ttl_seconds: int = Field(7 * 24 * 3600, ge=1, description="Expiry of a hot (Redis) cache entry.")
+    cache_hot_max_entry_bytes: int = Field(
+        32 * 1024**2, ge=1, description="Entries larger than this are kept in the cold tier only."
+    )
+    s3_endpoint_url: str | None = Field(
+        None, description="S3 API endpoint for a non-AWS store (MinIO, Ceph...); credentials: AWS chain."
+    )
 
     model: str = Field(DEFAULT_MODEL, description="Hub id or local folder of the VLM.")
     model_revision: str | None = Field(None, description="Hub revision (part of every cache key).")
-    engine: str = Field("transformers", description="Generation engine.")
+    engine: str = Field(
+        "auto",
+        description="Generation engine: vllm, transformers, or auto (vllm where importable, on a GPU).",
+    )
     device: str = Field("auto", description="torch device: auto, cpu, cuda, cuda:1 ...")
     dtype: str = Field("auto", description="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.")
 
     encode_batch_images: int = Field(8, description="Images per vision-tower call.")
     token_budget: int = Field(16384, description="Max visual+prompt+new tokens in one generate batch.")
     max_batch_size: int = Field(16, description="Max requests in one generate batch.")
+
+    # --- vLLM engine (VISBATCH_VLLM_*); None leaves vLLM's own default ---------------------
+    vllm_max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="Tokens vLLM schedules per step (prefill chunking)."
+    )
+    vllm_max_num_seqs: int | None = Field(None, ge=1, description="Sequences vLLM runs at once.")
+    vllm_gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Share of GPU memory vLLM may take (on CPU: share of host memory)."
+    )
+    vllm_max_model_len: int | None = Field(None, ge=1, description="Context length (default: the model's).")
+    vllm_tensor_parallel_size: int = Field(1, ge=1, description="GPUs one model is split over.")
+    vllm_enforce_eager: bool = Field(False, description="Skip graph capture/compilation (faster start).")
+
+    # --- fleet (Celery on Redis) ---------------------------------------------------------
+    broker_url: str = Field("redis://127.0.0.1:6379/0", description="Celery broker (never evicting).")
+    broker_prefix: str = Field("", description="Prefix for every broker key (several fleets on one Redis).")
+    task_time_limit: int = Field(3600, ge=1, description="Hard time limit of one task, seconds.")
+    visibility_timeout: int = Field(
+        7200, ge=1, description="Seconds before Redis hands an unacked task to another worker (> time limit)."
+    )
+    unacked_restore_interval: int = Field(10, ge=1, description="Seconds between sweeps for abandoned tasks.")
+    task_max_retries: int = Field(5, ge=0, description="Retries of a transient error before a unit fails.")
+    encode_chunk_units: int = Field(16, ge=1, description="Units per encode task.")
+    generate_flush_every: int = Field(64, ge=1, description="Generate messages gathered before a batch runs.")
+    generate_flush_interval: float = Field(0.25, gt=0, description="Seconds a generate batch waits to fill.")
 
     @cached_property
     def resolved_home(self) -> Path:

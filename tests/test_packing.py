@@ -28,7 +28,7 @@ def test_sorting_cuts_padding_against_arrival_order():
     items = _items(400, seed=3)
     packed = pack_by_tokens(items, token_budget=16384, max_batch_size=16)
     fixed = [
-        pack_by_tokens(items[i : i + 8], token_budget=10**9, max_batch_size=8, bucket=10**9)
+        pack_by_tokens(items[i : i + 8], token_budget=10**9, max_batch_size=8, bucket=10**9, max_padding=1.0)
         for i in range(0, len(items), 8)
     ]
     arrival_waste = padding_waste([b for group in fixed for b in group])
@@ -65,3 +65,11 @@ def test_same_image_prompts_stay_adjacent():
 def test_bad_limits():
     with pytest.raises(ValueError):
         pack_by_tokens([], token_budget=0, max_batch_size=1)
+
+
+def test_long_request_does_not_join_short_ones():
+    items = [PackItem(payload=i, input_tokens=100, max_new_tokens=10) for i in range(3)]
+    items.append(PackItem(payload="long", input_tokens=1300, max_new_tokens=10))
+    batches = pack_by_tokens(items, token_budget=10**6, max_batch_size=16)
+    assert [len(b.items) for b in batches] == [3, 1]
+    assert padding_waste(batches) == 0.0

@@ -6,6 +6,7 @@ import contextlib
 import csv
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -56,6 +57,28 @@ def _ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames) -> In
     if fps is not None:
         opts["fps"] = fps
     return IngestOptions(**opts)
+
+
+def _job_spec(prompts, schema, max_new_tokens, temperature, top_p, seed, ingest) -> JobSpec:
+    from worker.structured import SchemaError, check_schema
+
+    json_schema = None
+    if schema is not None:
+        try:
+            json_schema = json.loads(schema.read_text())
+            check_schema(json_schema)
+        except (OSError, json.JSONDecodeError, SchemaError) as exc:
+            _fail(f"--schema {schema}: {exc}")
+    try:
+        return JobSpec(
+            prompts=prompts,
+            json_schema=json_schema,
+            sampling=Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed),
+            ingest=ingest,
+        )
+    except ValueError as exc:
+        _fail(str(exc))
+        raise  # unreachable
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -112,24 +135,16 @@ def run(
 ) -> None:
     """Run a job in this process (embedded shape) and print its id. Exit 0 only if every unit succeeded."""
     from worker.pipeline import run_job
-    from worker.structured import SchemaError, check_schema
 
-    json_schema = None
-    if schema is not None:
-        try:
-            json_schema = json.loads(schema.read_text())
-            check_schema(json_schema)
-        except (OSError, json.JSONDecodeError, SchemaError) as exc:
-            _fail(f"--schema {schema}: {exc}")
-    try:
-        spec = JobSpec(
-            prompts=prompt,
-            json_schema=json_schema,
-            sampling=Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed),
-            ingest=_ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames),
-        )
-    except ValueError as exc:
-        _fail(str(exc))
+    spec = _job_spec(
+        prompt,
+        schema,
+        max_new_tokens,
+        temperature,
+        top_p,
+        seed,
+        _ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames),
+    )
     rt = _runtime(model)
     _load_adapter(rt)
     columns = [TextColumn("{task.description:>9}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
@@ -142,6 +157,130 @@ def run(
     out.print(job_id)
     if summary["status"] != "succeeded":
         raise typer.Exit(EXIT_PARTIAL if summary["status"] == "partial" else EXIT_FAILED)
+
+
+@app.command()
+def submit(
+    inputs: Annotated[
+        list[str], typer.Argument(help="Files, folders, s3://bucket/key or s3://bucket/prefix/.")
+    ],
+    prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="A question for every page/frame.")],
+    schema: Annotated[
+        Path | None, typer.Option(help="JSON schema file: outputs are constrained to it.")
+    ] = None,
+    model: ModelOpt = None,
+    longest_side: LongestSide = 1288,
+    dpi: Dpi = None,
+    pages: Pages = None,
+    fps: Fps = None,
+    num_frames: NumFrames = None,
+    max_frames: MaxFrames = 64,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated at most per answer.")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    seed: Annotated[int, typer.Option()] = 0,
+    wait: Annotated[bool, typer.Option("--wait", help="Show progress until the job ends.")] = False,
+) -> None:
+    """Send a job to the fleet (Celery workers); prints its id. Local files are uploaded to the store."""
+    from worker.submit import submit_job
+
+    spec = _job_spec(
+        prompt,
+        schema,
+        max_new_tokens,
+        temperature,
+        top_p,
+        seed,
+        _ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames),
+    )
+    rt = _runtime(model)
+    job_id = submit_job(rt, inputs, spec)
+    out.print(job_id)
+    if wait:
+        _wait(rt, job_id)
+
+
+def _wait(rt, job_id: str) -> None:
+    from worker.submit import wait_for_job
+
+    columns = [TextColumn("{task.description:>9}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=console) as bars:
+        units = bars.add_task("units", total=None)
+        answers = bars.add_task("answers", total=None)
+
+        def show(s: dict) -> None:
+            prompts = len(s["spec"]["prompts"])
+            done = s["units_total"] - s.get("units_pending", 0)
+            bars.update(units, total=s["units_total"] or None, completed=max(0, done))
+            bars.update(
+                answers,
+                total=(s["units_total"] * prompts) or None,
+                completed=s["results"] + s["results_failed"],
+            )
+
+        summary = wait_for_job(rt, job_id, show)
+    _print_summary(summary)
+    if summary["status"] != "succeeded":
+        raise typer.Exit(EXIT_PARTIAL if summary["status"] == "partial" else EXIT_FAILED)
+
+
+@app.command()
+def cancel(job: str) -> None:
+    """Stop a fleet job's remaining work; what is done stays."""
+    from storage import repository as repo
+    from worker.submit import cancel_job
+
+    rt = _runtime(None)
+    try:
+        job_id = cancel_job(rt, job)
+    except repo.JobNotFound as exc:
+        _fail(str(exc))
+    console.print(f"job {job_id}: {repo.job_summary(rt.db, job_id)['status']}")
+
+
+@app.command()
+def worker(
+    queues: Annotated[
+        str, typer.Option(help="Comma-separated: ingest, encode, generate.")
+    ] = "ingest,encode,generate",
+    concurrency: Annotated[int, typer.Option(help="Processes for the ingest (CPU) pool.")] = 1,
+    name: Annotated[str | None, typer.Option(help="Worker name (default: from the queues and host).")] = None,
+    loglevel: Annotated[str, typer.Option()] = "INFO",
+) -> None:
+    """Start a Celery worker: prefork for ingest alone, solo (model loaded once) for GPU stages."""
+    from worker.celery_app import QUEUES
+    from worker.celery_app import app as celery_app
+
+    chosen = [q.strip() for q in queues.split(",") if q.strip()]
+    unknown = sorted(set(chosen) - set(QUEUES))
+    if unknown or not chosen:
+        _fail(f"unknown queue(s) {unknown}; choose from {', '.join(QUEUES)}")
+    settings = Settings()
+    gpu = bool({"encode", "generate"} & set(chosen))
+    # The generate worker must hold a batch's worth of messages to pack them (celery-batches);
+    # every other worker takes one task at a time so no task waits behind a long one.
+    prefetch = settings.generate_flush_every + 1 if "generate" in chosen else 1
+    argv = [
+        "worker",
+        "-Q",
+        ",".join(chosen),
+        "--loglevel",
+        loglevel,
+        "--prefetch-multiplier",
+        str(prefetch),
+        "-n",
+        name or f"visbatch-{'-'.join(chosen)}-{os.getpid()}@%h",
+        "--without-gossip",
+        "--without-mingle",
+    ]
+    if gpu:
+        if concurrency != 1:
+            console.print("GPU stages run one process per worker (solo pool): start one worker per GPU.")
+        argv += ["-P", "solo"]
+    else:
+        # Recycle ingest processes now and then: PDF and video libraries can hold on to memory.
+        argv += ["-P", "prefork", "-c", str(concurrency), "--max-tasks-per-child", "200"]
+    celery_app.worker_main(argv)
 
 
 @app.command()

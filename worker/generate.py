@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ingest.spec import JobSpec
 from storage.repository import ResultRow
@@ -20,13 +20,23 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RequestRef:
-    """One request: a unit asked one of the job's prompts. Small: tensors are loaded per batch."""
+    """One request: a unit asked one of its job's prompts. Small: tensors are loaded per batch.
 
+    Requests of different jobs may share a batch (the fleet packs across jobs), so each
+    carries its job's spec.
+    """
+
+    job_id: str
     unit_id: int
     prompt_index: int
     image_key: str
     visual_tokens: int
     cache_hit: bool
+    spec: JobSpec = field(compare=False, hash=False, repr=False)
+
+    @property
+    def prompt(self) -> str:
+        return self.spec.prompts[self.prompt_index]
 
 
 class GenerateStage:
@@ -54,22 +64,24 @@ class GenerateStage:
             self._text_tokens[prompt] = len(self.adapter.prompt_ids(prompt, 0))
         return self._text_tokens[prompt]
 
-    def plan(self, spec: JobSpec, requests: Iterable[RequestRef]) -> list[Batch[RequestRef]]:
-        sampling = spec.sampling
+    def plan(self, requests: Iterable[RequestRef]) -> list[Batch[RequestRef]]:
+        """Pack by tokens; requests with different sampling settings never share a batch."""
         items = [
             PackItem(
                 payload=r,
-                input_tokens=r.visual_tokens + self.text_tokens(spec.prompts[r.prompt_index]),
-                max_new_tokens=sampling.max_new_tokens,
+                input_tokens=r.visual_tokens + self.text_tokens(r.prompt),
+                max_new_tokens=r.spec.sampling.max_new_tokens,
+                group=(r.spec.sampling.temperature, r.spec.sampling.top_p, r.spec.sampling.seed),
                 affinity=r.image_key,
             )
             for r in requests
         ]
         return pack_by_tokens(items, token_budget=self.token_budget, max_batch_size=self.max_batch_size)
 
-    def run_batch(self, spec: JobSpec, batch: Batch[RequestRef]) -> list[ResultRow]:
+    def run_batch(self, batch: Batch[RequestRef]) -> list[tuple[RequestRef, ResultRow]]:
+        """Generate one packed batch; one result row per request, errors included."""
         refs = [item.payload for item in batch.items]
-        prepared: list[EngineRequest | str] = [self._prepare(spec, r) for r in refs]
+        prepared: list[EngineRequest | str] = [self._prepare(r) for r in refs]
         ready = [i for i, p in enumerate(prepared) if isinstance(p, EngineRequest)]
         started = time.perf_counter()
         generations = self._generate([prepared[i] for i in ready])
@@ -78,17 +90,17 @@ class GenerateStage:
         rows = []
         for i, ref in enumerate(refs):
             outcome = by_index.get(i, prepared[i])
-            rows.append(self._row(spec, ref, prepared[i], outcome, latency_ms))
+            rows.append((ref, self._row(ref, prepared[i], outcome, latency_ms)))
         return rows
 
-    def _prepare(self, spec: JobSpec, ref: RequestRef) -> EngineRequest | str:
+    def _prepare(self, ref: RequestRef) -> EngineRequest | str:
         try:
             visual = self.tokens.get(ref.image_key)
         except Exception as exc:
             return f"visual tokens unavailable: {type(exc).__name__}: {exc}"
-        s = spec.sampling
+        spec, s = ref.spec, ref.spec.sampling
         return EngineRequest(
-            prompt_ids=self.adapter.prompt_ids(spec.prompts[ref.prompt_index], visual.num_tokens),
+            prompt_ids=self.adapter.prompt_ids(ref.prompt, visual.num_tokens),
             visual=visual,
             cache_key=self.tokens.cache_key(ref.image_key),
             max_new_tokens=s.max_new_tokens,
@@ -114,7 +126,6 @@ class GenerateStage:
 
     def _row(
         self,
-        spec: JobSpec,
         ref: RequestRef,
         prepared: EngineRequest | str,
         outcome: Generation | str,
@@ -123,7 +134,7 @@ class GenerateStage:
         prompt_tokens = (
             len(prepared.prompt_ids) - prepared.visual.num_tokens
             if isinstance(prepared, EngineRequest)
-            else self.text_tokens(spec.prompts[ref.prompt_index])
+            else self.text_tokens(ref.prompt)
         )
         common = dict(
             unit_id=ref.unit_id,
@@ -135,11 +146,14 @@ class GenerateStage:
             cache_hit=ref.cache_hit,
             latency_ms=latency_ms,
         )
+        if isinstance(outcome, Generation) and outcome.error is not None:
+            outcome = outcome.error  # the engine refused this request alone; its batch-mates ran
         if isinstance(outcome, str):
             return ResultRow(
                 output=None, text=None, error=outcome, completion_tokens=0, finish_reason=None, **common
             )
         output, error = None, None
+        spec = ref.spec
         if spec.json_schema is not None:
             output, error = validate_output(outcome.text, spec.json_schema)
             if error and outcome.finish_reason == "length":

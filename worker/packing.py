@@ -47,18 +47,28 @@ class Batch(Generic[T]):
         return len(self.items) * self.longest
 
 
-def _fits(batch: Batch, item: PackItem, token_budget: int, max_batch_size: int) -> bool:
+def _fits(batch: Batch, item: PackItem, token_budget: int, max_batch_size: int, max_padding: float) -> bool:
     if len(batch.items) >= max_batch_size:
         return False
     longest = max(batch.longest, item.input_tokens)
     new = max([i.max_new_tokens for i in batch.items] + [item.max_new_tokens])
-    return (len(batch.items) + 1) * (longest + new) <= token_budget
+    if (len(batch.items) + 1) * (longest + new) > token_budget:
+        return False
+    # A long request joining short ones pads them all: better start a new batch.
+    padded = (len(batch.items) + 1) * longest
+    return 1.0 - (batch.real_input_tokens + item.input_tokens) / padded <= max_padding
 
 
 def pack_by_tokens(
-    items: Iterable[PackItem[T]], *, token_budget: int, max_batch_size: int, bucket: int = 32
+    items: Iterable[PackItem[T]],
+    *,
+    token_budget: int,
+    max_batch_size: int,
+    bucket: int = 32,
+    max_padding: float = 0.1,
 ) -> list[Batch[T]]:
-    """Greedy fill in length order. A request larger than the budget alone gets a batch of its own.
+    """Greedy fill in length order. A request larger than the budget alone gets a batch of its own;
+    a request that would make over `max_padding` of its batch padding starts a new one.
 
     Lengths are compared in buckets of `bucket` tokens first, so prompts of nearly equal length
     over the same image sort together (prefix sharing) at the price of under `bucket` pads a row.
@@ -72,7 +82,9 @@ def pack_by_tokens(
     current: Batch[T] = Batch()
     for item in ordered:
         same_group = not current.items or current.items[0].group == item.group
-        if current.items and (not same_group or not _fits(current, item, token_budget, max_batch_size)):
+        if current.items and (
+            not same_group or not _fits(current, item, token_budget, max_batch_size, max_padding)
+        ):
             batches.append(current)
             current = Batch()
         current.items.append(item)

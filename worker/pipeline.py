@@ -7,7 +7,8 @@ functions serve the Celery fleet; here they simply run one after the other.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -15,7 +16,7 @@ from ingest.spec import JobSpec
 from ingest.stage import expand_paths, inspect_source, unit_rows
 from ingest.units import SourceError
 from storage import repository as repo
-from worker.generate import GenerateStage, RequestRef
+from worker.generate import RequestRef
 from worker.packing import padding_waste
 from worker.runtime import Runtime
 
@@ -52,15 +53,23 @@ def ingest_job(rt: Runtime, job_id: str, paths: list[Path], spec: JobSpec, progr
         progress.advance("ingest")
 
 
-def ingest_one(rt: Runtime, job_id: str, source_id: int, path: Path, spec: JobSpec) -> None:
+@dataclass(frozen=True)
+class IngestOutcome:
+    error: str | None = None
+    kind: str | None = None
+    sha256: str | None = None
+    size: int | None = None
+
+
+def ingest_units(rt: Runtime, job_id: str, source_id: int, path: Path, spec: JobSpec) -> IngestOutcome:
+    """Split one source into unit rows (in chunks); the caller records the source's outcome."""
     try:
         info = inspect_source(path)
     except SourceError as exc:
-        repo.fail_source(rt.db, source_id, str(exc))
-        return
+        return IngestOutcome(error=str(exc))
     except OSError as exc:
-        repo.fail_source(rt.db, source_id, f"cannot read: {exc.strerror or exc}")
-        return
+        return IngestOutcome(error=f"cannot read: {exc.strerror or exc}")
+    facts = {"kind": info.kind, "sha256": info.sha256, "size": info.size}
     chunk: list[repo.UnitRow] = []
     try:
         for row in unit_rows(path, info.kind, spec.ingest, rt.store, rt.adapter.visual_tokens):
@@ -71,9 +80,17 @@ def ingest_one(rt: Runtime, job_id: str, source_id: int, path: Path, spec: JobSp
         if chunk:
             repo.add_units(rt.db, job_id, source_id, chunk)
     except SourceError as exc:
-        repo.fail_source(rt.db, source_id, str(exc), kind=info.kind, sha256=info.sha256, size=info.size)
-        return
-    repo.mark_source_ingested(rt.db, source_id, kind=info.kind, sha256=info.sha256, size=info.size)
+        return IngestOutcome(error=str(exc), **facts)
+    return IngestOutcome(**facts)
+
+
+def ingest_one(rt: Runtime, job_id: str, source_id: int, path: Path, spec: JobSpec) -> None:
+    outcome = ingest_units(rt, job_id, source_id, path, spec)
+    facts = {"kind": outcome.kind, "sha256": outcome.sha256, "size": outcome.size}
+    if outcome.error:
+        repo.fail_source(rt.db, source_id, outcome.error, **facts)
+    else:
+        repo.mark_source_ingested(rt.db, source_id, **facts)
 
 
 def encode_job(rt: Runtime, job_id: str, progress: Progress) -> None:
@@ -101,39 +118,49 @@ def encode_job(rt: Runtime, job_id: str, progress: Progress) -> None:
     )
 
 
-def generate_job(rt: Runtime, job_id: str, spec: JobSpec, progress: Progress) -> None:
-    units = repo.units_to_generate(rt.db, job_id)
-    stage = GenerateStage(
-        rt.adapter,
-        rt.engine,
-        rt.tokens,
-        token_budget=rt.settings.token_budget,
-        max_batch_size=rt.settings.max_batch_size,
-        model_name=rt.model_name,
-    )
-    requests = [
-        RequestRef(u.unit_id, p, u.image_key, u.visual_tokens, bool(u.cache_hit))
+def requests_for(units: list[repo.UnitTask], specs: dict[str, JobSpec]) -> list[RequestRef]:
+    """Every unit asked every prompt of its job."""
+    return [
+        RequestRef(u.job_id, u.unit_id, p, u.image_key, u.visual_tokens, bool(u.cache_hit), specs[u.job_id])
         for u in units
-        for p in range(len(spec.prompts))
+        for p in range(len(specs[u.job_id].prompts))
     ]
-    batches = stage.plan(spec, requests)
-    progress.start("generate", len(requests))
+
+
+def generate_and_store(rt: Runtime, requests: list[RequestRef], progress: Progress) -> dict[str, int]:
+    """Pack, generate, upsert; finish each unit once all its requests here are answered.
+
+    Every prompt of a unit must be in `requests`. Returns the pending count of each job whose
+    units were finished, so the caller can close the jobs that reached 0.
+    """
+    stage = rt.generate_stage
+    batches = stage.plan(requests)
     if batches:
-        progress.note(
-            f"{len(requests)} requests in {len(batches)} batches, padding {padding_waste(batches):.1%}"
-        )
-    remaining = defaultdict(lambda: len(spec.prompts))
+        waste = padding_waste(batches)
+        progress.note(f"{len(requests)} requests in {len(batches)} batches, padding {waste:.1%}")
+    open_requests = Counter((r.job_id, r.unit_id) for r in requests)
+    remaining: dict[str, int] = {}
     for batch in batches:
-        rows = stage.run_batch(spec, batch)
-        repo.upsert_results(rt.db, job_id, rows)
-        finished = []
-        for row in rows:
-            remaining[row.unit_id] -= 1
-            if remaining[row.unit_id] == 0:
-                finished.append(row.unit_id)
-        if finished:
-            repo.finish_units(rt.db, job_id, finished)
-        progress.advance("generate", len(rows))
+        pairs = stage.run_batch(batch)
+        by_job: dict[str, list[repo.ResultRow]] = defaultdict(list)
+        finished: dict[str, list[int]] = defaultdict(list)
+        for ref, row in pairs:
+            by_job[ref.job_id].append(row)
+            open_requests[(ref.job_id, ref.unit_id)] -= 1
+            if open_requests[(ref.job_id, ref.unit_id)] == 0:
+                finished[ref.job_id].append(ref.unit_id)
+        for job_id, rows in by_job.items():
+            repo.upsert_results(rt.db, job_id, rows)
+        for job_id, unit_ids in finished.items():
+            remaining[job_id] = repo.finish_units(rt.db, job_id, unit_ids)
+        progress.advance("generate", len(pairs))
+    return remaining
+
+
+def generate_job(rt: Runtime, job_id: str, spec: JobSpec, progress: Progress) -> None:
+    requests = requests_for(repo.units_to_generate(rt.db, job_id), {job_id: spec})
+    progress.start("generate", len(requests))
+    generate_and_store(rt, requests, progress)
 
 
 def run_job(rt: Runtime, paths: list[Path], spec: JobSpec, progress: Progress | None = None) -> str:

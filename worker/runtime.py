@@ -14,12 +14,15 @@ from storage.settings import Settings
 from storage.token_cache import TokenCache, open_token_cache
 from worker.encode import VisualTokenStore
 from worker.engines import Engine, make_engine
+from worker.generate import GenerateStage
 from worker.models import ModelAdapter, ModelRef, load_adapter
 
 
 class Runtime:
-    def __init__(self, settings: Settings, model: str | None = None) -> None:
+    def __init__(self, settings: Settings, model: str | None = None, db: Database | None = None) -> None:
         self.settings = settings
+        if db is not None:  # shared by the runtimes of a worker process
+            self.__dict__["db"] = db
         name = model or settings.model
         # A local folder is recorded by its absolute path, so results say which model made them.
         self.model_name = str(Path(name).resolve()) if Path(name).is_dir() else name
@@ -32,11 +35,19 @@ class Runtime:
 
     @cached_property
     def store(self) -> ObjectStore:
-        return open_object_store(self.settings.object_store_url())
+        return open_object_store(self.settings.object_store_url(), endpoint_url=self.settings.s3_endpoint_url)
 
     @cached_property
     def cache(self) -> TokenCache:
-        return open_token_cache(self.settings.token_cache_url(), self.settings.cache_max_bytes)
+        s = self.settings
+        return open_token_cache(
+            s.token_cache_url(),
+            s.cache_max_bytes,
+            cold_url=s.cache_cold_url,
+            endpoint_url=s.s3_endpoint_url,
+            ttl_seconds=s.cache_ttl_seconds,
+            hot_max_entry_bytes=s.cache_hot_max_entry_bytes,
+        )
 
     @cached_property
     def adapter(self) -> ModelAdapter:
@@ -55,6 +66,17 @@ class Runtime:
     @cached_property
     def engine(self) -> Engine:
         return make_engine(self.settings.engine, self.adapter)
+
+    @cached_property
+    def generate_stage(self) -> GenerateStage:
+        return GenerateStage(
+            self.adapter,
+            self.engine,
+            self.tokens,
+            token_budget=self.settings.token_budget,
+            max_batch_size=self.settings.max_batch_size,
+            model_name=self.model_name,
+        )
 
     def close(self) -> None:
         if "db" in self.__dict__:

@@ -1,17 +1,53 @@
-"""Engines behind one interface; the pipeline picks one by name and never branches on it."""
+"""Engines behind one interface; the pipeline picks one by name and never branches on it.
+
+`VISBATCH_ENGINE` is `vllm`, `transformers`, or `auto` (the default): vLLM where it can be
+imported and the model runs on a GPU, transformers everywhere else (a laptop, CI, a CPU worker).
+"""
 
 from __future__ import annotations
 
-from worker.engines.base import Engine, EngineRequest, Generation
+from typing import TYPE_CHECKING
+
+from worker.engines.base import Engine, EngineRequest, Generation, RequestRejected
 from worker.models.base import ModelAdapter
 
+if TYPE_CHECKING:
+    from storage.settings import Settings
 
-def make_engine(name: str, adapter: ModelAdapter) -> Engine:
-    if name == "transformers":
+ENGINES = ("vllm", "transformers")
+
+
+def resolve_engine_name(name: str, adapter: ModelAdapter) -> str:
+    """The engine `name` means for this model: `auto` becomes vllm or transformers."""
+    if name != "auto":
+        return name
+    from worker.engines.vllm_engine import vllm_available
+
+    # The adapter's device follows VISBATCH_DEVICE, so VISBATCH_DEVICE=cpu also means transformers.
+    return "vllm" if adapter.device.type == "cuda" and vllm_available() else "transformers"
+
+
+def make_engine(name: str, adapter: ModelAdapter, settings: Settings | None = None) -> Engine:
+    """Build the engine `name` (vllm, transformers or auto); vLLM's knobs come from `settings`."""
+    resolved = resolve_engine_name(name, adapter)
+    if resolved == "transformers":
         from worker.engines.transformers_engine import TransformersEngine
 
         return TransformersEngine(adapter)
-    raise ValueError(f"unknown engine {name!r} (available: transformers)")
+    if resolved == "vllm":
+        from storage.settings import Settings
+        from worker.engines.vllm_engine import VLLMEngine, VLLMOptions
+
+        return VLLMEngine(adapter, VLLMOptions.from_settings(settings or Settings()))
+    raise ValueError(f"unknown engine {name!r} (available: auto, {', '.join(ENGINES)})")
 
 
-__all__ = ["Engine", "EngineRequest", "Generation", "make_engine"]
+__all__ = [
+    "ENGINES",
+    "Engine",
+    "EngineRequest",
+    "Generation",
+    "RequestRejected",
+    "make_engine",
+    "resolve_engine_name",
+]

@@ -29,6 +29,19 @@ class Generation:
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" (end of sequence) or "length" (max_new_tokens reached)
+    # Set when the engine refused this one request (e.g. visual tokens that do not fit the model):
+    # the request fails alone and its batch-mates are generated, never a dead engine.
+    error: str | None = None
+    # Prompt tokens the engine's prefix cache served (None: the engine has no prefix cache).
+    cached_tokens: int | None = None
+
+    @classmethod
+    def failed(cls, error: str) -> Generation:
+        return cls(token_ids=[], text="", finish_reason="error", error=error)
+
+
+class RequestRejected(ValueError):
+    """One request cannot be given to the engine as it is (shape, dtype, length); others can."""
 
 
 class Engine(Protocol):

@@ -109,6 +109,14 @@ class ModelAdapter(ABC):
     def generation_inputs(self, prompts: list[list[int]], visuals: list[VisualTokens]) -> dict[str, Any]:
         """Left-padded batch inputs for `model.generate` with cached embeddings injected."""
 
+    def vllm_prompt(self, prompt_ids: list[int], visual: VisualTokens, uuid: str) -> dict[str, Any]:
+        """The request as vLLM's `LLM.generate` takes it (a TokensPrompt dict), fed cached embeddings.
+
+        `prompt_ids` are ours (placeholders expanded); `uuid` names the image for vLLM's caches.
+        Raises ValueError when the prompt and the visual tokens do not belong together.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot build vLLM inputs")
+
     @property
     def eos_token_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id

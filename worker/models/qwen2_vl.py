@@ -128,6 +128,34 @@ class Qwen2VLAdapter(ModelAdapter):
             "mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=embeds)},
         }
 
+    def collapse_image_placeholders(self, prompt_ids: list[int], num_visual_tokens: int) -> list[int]:
+        """Our prompt with its run of `<|image_pad|>` ids collapsed back to ONE id.
+
+        vLLM's Qwen2-VL processor replaces each single placeholder with grid/merge² of them
+        itself (from image_grid_thw); given an expanded run it would expand every id again.
+        """
+        positions = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
+        if not positions:
+            raise ValueError("prompt has no image placeholder")
+        first, last = positions[0], positions[-1]
+        if last - first + 1 != len(positions):
+            raise ValueError("prompt has more than one run of image placeholders")
+        if len(positions) != num_visual_tokens:
+            raise ValueError(
+                f"prompt has {len(positions)} image placeholders, the visual tokens are {num_visual_tokens}"
+            )
+        return prompt_ids[: first + 1] + prompt_ids[last + 1 :]
+
+    def vllm_prompt(self, prompt_ids: list[int], visual: VisualTokens, uuid: str) -> dict[str, Any]:
+        return {
+            "prompt_token_ids": self.collapse_image_placeholders(prompt_ids, visual.num_tokens),
+            # Embeddings-only input: 2-D merged embeddings + the (n, 3) grid that sizes the run.
+            "multi_modal_data": {"image": {"image_embeds": visual.embeds, "image_grid_thw": visual.grid_thw}},
+            # Our cache key stands for the image in vLLM's prefix cache: no tensor hashing, and the
+            # same page asked several prompts (or by several jobs) shares its cached KV blocks.
+            "multi_modal_uuids": {"image": [uuid]},
+        }
+
 
 class Qwen25VLAdapter(Qwen2VLAdapter):
     family = "qwen2_5_vl"

