@@ -58,9 +58,23 @@ class Fleet:
         self.workers.append(proc)
         return proc
 
-    def submit(self, *args: str) -> str:
+    def run_cli(self, *args: str) -> str:
+        """Run `visbatch ARGS` in a separate process, as a user would; returns stdout + stderr."""
         done = subprocess.run(
-            [VISBATCH, "submit", *args], env=self.env, capture_output=True, text=True, timeout=120, check=False
+            [VISBATCH, *args], env=self.env, capture_output=True, text=True, timeout=120, check=False
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout + done.stderr
+
+    def submit(self, *args: str) -> str:
+        """`visbatch submit ARGS`; returns the job id (stdout's last line)."""
+        done = subprocess.run(
+            [VISBATCH, "submit", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
         )
         assert done.returncode == 0, done.stderr
         return done.stdout.strip().splitlines()[-1]

@@ -71,3 +71,22 @@ def test_generate_worker_killed_mid_batch(fleet, tmp_path):
     fleet.wait([job], timeout=240)
     assert fleet.status(job) == "succeeded", fleet.logs()
     _every_unit_answered_once(fleet, job, 2)
+
+
+def test_cancelled_job_does_no_more_work(fleet, tmp_path):
+    import redis
+
+    from tests.fleet_harness import REDIS_URL
+
+    pdf = write_pdf(tmp_path / "doc.pdf", pages=2)
+    job = fleet.submit(str(pdf), "-p", "Hi", "--max-new-tokens", "4")
+    cancel = fleet.run_cli("cancel", job)
+    assert "cancelled" in cancel
+    fleet.start_worker("ingest,encode,generate")
+    client = redis.Redis.from_url(REDIS_URL)
+    deadline = time.monotonic() + 120
+    while client.llen(f"{fleet.prefix}ingest") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(3)  # the worker acks the dropped task
+    assert fleet.status(job) == "cancelled"
+    assert fleet.results_per_unit(job) == {}

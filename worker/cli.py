@@ -225,6 +225,52 @@ def _wait(rt, job_id: str) -> None:
 
 
 @app.command()
+def watch(
+    prefix: Annotated[str, typer.Argument(help="s3://bucket/inbox/ to poll.")],
+    prompt: Annotated[list[str] | None, typer.Option("--prompt", "-p", help="Default prompt(s).")] = None,
+    spec_file: Annotated[Path | None, typer.Option("--spec", help="Default job spec (JSON).")] = None,
+    done_prefix: Annotated[str, typer.Option(help="Move processed objects here ('' keeps them).")] = "done/",
+    failed_prefix: Annotated[
+        str, typer.Option(help="Move objects whose job failed to start here.")
+    ] = "failed/",
+    poll_seconds: Annotated[float, typer.Option(help="Seconds between listings.")] = 5.0,
+) -> None:
+    """Turn each object dropped under an S3 prefix into one fleet job, exactly once (a _spec.json
+    beside the objects may give their prompts and schema)."""
+    import signal
+    import threading
+
+    from ingest.dropfolder import DropFolderWatcher
+    from worker.submit import submit_job
+
+    default = None
+    if spec_file is not None:
+        try:
+            default = JobSpec.model_validate_json(spec_file.read_text())
+        except (OSError, ValueError) as exc:
+            _fail(f"--spec {spec_file}: {exc}")
+    elif prompt:
+        default = JobSpec(prompts=prompt)
+    rt = _runtime(None)
+    watcher = DropFolderWatcher.from_url(
+        prefix,
+        rt.db,
+        lambda uris, spec: submit_job(rt, uris, spec),
+        default_spec=default,
+        done_prefix=done_prefix or None,
+        failed_prefix=failed_prefix or None,
+        poll_seconds=poll_seconds,
+        endpoint_url=rt.settings.s3_endpoint_url,
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        watcher.run(stop)
+    except KeyboardInterrupt:
+        stop.set()
+
+
+@app.command()
 def cancel(job: str) -> None:
     """Stop a fleet job's remaining work; what is done stays."""
     from storage import repository as repo
