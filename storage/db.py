@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 # How long a SQLite writer waits for the file lock before "database is locked".
 SQLITE_BUSY_TIMEOUT_S = 30.0
+# PRAGMA takes no bound parameters; this one is built once from a constant.
+_BUSY_TIMEOUT_PRAGMA = f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}"
 # Serialises concurrent `upgrade()` calls from many fleet workers starting at once
 # (an arbitrary constant: "visbatch" in ASCII).
 _PG_MIGRATION_LOCK = 0x7669736261746368
@@ -160,7 +162,7 @@ def _install_sqlite_hooks(engine: Engine) -> None:
             # WAL: readers never block the writer and vice versa.
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA synchronous=NORMAL")
-            cursor.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+            cursor.execute(_BUSY_TIMEOUT_PRAGMA)
         finally:
             cursor.close()
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import redis
 from sqlalchemy import text
+from sqlalchemy.engine import make_url
 
 from storage.db import Database
 
@@ -24,9 +25,15 @@ REDIS_URL = os.environ.get("VISBATCH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"
 VISBATCH = str(Path(sys.executable).with_name("visbatch"))
 
 
+# PostgreSQL trusts local connections and ignores this password: it is there to prove that
+# workers never print it (see test_fleet_e2e).
+DB_PASSWORD = "fleet-pw-do-not-log"
+
+
 class Fleet:
     def __init__(self, tmp: Path, model_dir: Path, database_url: str) -> None:
         self.tmp = tmp
+        database_url = make_url(database_url).set(password=DB_PASSWORD).render_as_string(hide_password=False)
         self.prefix = f"visbatch-test-{uuid.uuid4().hex[:8]}:"
         self.env = {
             **os.environ,
@@ -133,5 +140,5 @@ class Fleet:
             client.delete(*keys)
         self.db.dispose()
 
-    def logs(self) -> str:
-        return "\n".join(p.read_text()[-3000:] for p in sorted(self.tmp.glob("worker-*.log")))
+    def logs(self, tail: int = 3000) -> str:
+        return "\n".join(p.read_text()[-tail:] for p in sorted(self.tmp.glob("worker-*.log")))

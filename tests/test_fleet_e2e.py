@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.fleet_harness import Fleet
+from tests.fleet_harness import DB_PASSWORD, Fleet
 from tests.media import write_pdf, write_video
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("redis_url")]
@@ -48,6 +48,7 @@ def test_two_workers_two_jobs(fleet, tmp_path):
     _every_unit_answered_once(fleet, job1, 2)
     _every_unit_answered_once(fleet, job2, 1)
     assert len(fleet.results_per_unit(job1)) == 3 + 2 + 3
+    assert DB_PASSWORD not in fleet.logs(tail=10**7)
 
 
 def test_generate_worker_killed_mid_batch(fleet, tmp_path):
