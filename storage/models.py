@@ -8,6 +8,7 @@ reads and writes these tables for the pipeline.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
@@ -65,6 +66,15 @@ class UnitStatus(StrEnum):
     FAILED = "failed"
 
 
+class ClaimStatus(StrEnum):
+    """A drop-folder object's way: claimed -> submitted (job created) -> done (moved), or failed."""
+
+    CLAIMED = "claimed"
+    SUBMITTED = "submitted"
+    DONE = "done"
+    FAILED = "failed"
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)
 
@@ -105,6 +115,9 @@ JSONDocument = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "p
 BigIntId = BigInteger().with_variant(Integer(), "sqlite")
 
 STATUS_LENGTH = 16
+# Objects declared with ``info={ONLY_ON: "postgresql"}`` exist on that dialect only (see
+# ``include_object_for``): the database does not have them elsewhere, by design.
+ONLY_ON = "only_on_dialect"
 KEY_LENGTH = 1024  # S3 object keys are at most 1024 bytes
 
 
@@ -206,7 +219,20 @@ class Unit(Base):
 
 class Result(Base):
     __tablename__ = "results"
-    __table_args__ = (UniqueConstraint("unit_id", "prompt_index"),)
+    __table_args__ = (
+        UniqueConstraint("unit_id", "prompt_index"),
+        # PostgreSQL only: lets containment and JSON-path equality queries on outputs use an index,
+        # e.g. ``output @> '{"vendor": "ACME"}'`` or ``output @@ '$.vendor == "ACME"'`` (also through
+        # the result_rows view). jsonb_path_ops: smaller and faster than the default opclass, and
+        # those are the operators it serves. SQLite has neither JSONB nor GIN.
+        Index(
+            "ix_results_output_gin",
+            "output",
+            postgresql_using="gin",
+            postgresql_ops={"output": "jsonb_path_ops"},
+            info={ONLY_ON: "postgresql"},
+        ).ddl_if(dialect="postgresql"),
+    )
 
     id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
     unit_id: Mapped[int] = mapped_column(
@@ -229,3 +255,44 @@ class Result(Base):
     latency_ms: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow, onupdate=utcnow)
+
+
+class DropClaim(Base):
+    """One object seen in an S3 drop folder, claimed by exactly one watcher.
+
+    Unique on (bucket, key, etag): the INSERT that wins the row is the claim, so several
+    watchers and re-drops of identical content make one job; new content (a new ETag) under the
+    same key is a new claim and a new job.
+    """
+
+    __tablename__ = "drop_claims"
+    __table_args__ = (UniqueConstraint("bucket", "key", "etag"),)
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    bucket: Mapped[str] = mapped_column(String(63), nullable=False)  # S3 bucket names: 3..63
+    key: Mapped[str] = mapped_column(String(KEY_LENGTH), nullable=False)
+    etag: Mapped[str] = mapped_column(String(255), nullable=False)
+    # The job stays traceable from the claim; deleting old jobs must not be blocked by claims.
+    job_id: Mapped[str | None] = mapped_column(
+        String(32), ForeignKey("jobs.id", ondelete="SET NULL"), nullable=True, index=True
+    )
+    status: Mapped[str] = mapped_column(
+        String(STATUS_LENGTH), nullable=False, default=ClaimStatus.CLAIMED.value
+    )
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow, onupdate=utcnow)
+
+
+def include_object_for(dialect_name: str) -> Callable[[Any, str | None, str, bool, Any], bool]:
+    """An Alembic ``include_object`` hook that leaves out model objects meant for another dialect.
+
+    Alembic's comparison does not honour SQLAlchemy's ``ddl_if``; without this a SQLite database
+    would always "lack" the PostgreSQL-only GIN index. Reflected objects are always compared.
+    """
+
+    def include_object(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
+        only_on = getattr(obj, "info", {}).get(ONLY_ON) if not reflected else None
+        return only_on is None or only_on == dialect_name
+
+    return include_object

@@ -31,15 +31,19 @@ DB_PASSWORD = "fleet-pw-do-not-log"
 
 
 class Fleet:
-    def __init__(self, tmp: Path, model_dir: Path, database_url: str) -> None:
+    def __init__(
+        self, tmp: Path, model_dir: Path, database_url: str, worker_database_url: str | None = None
+    ) -> None:
+        """`worker_database_url`: where workers and the CLI connect (e.g. through a fault proxy);
+        the test itself always watches through `database_url`."""
         self.tmp = tmp
-        database_url = make_url(database_url).set(password=DB_PASSWORD).render_as_string(hide_password=False)
+        worker_url = make_url(worker_database_url or database_url).set(password=DB_PASSWORD)
         self.prefix = f"visbatch-test-{uuid.uuid4().hex[:8]}:"
         self.env = {
             **os.environ,
             "VISBATCH_HOME": str(tmp / "home"),
             "VISBATCH_MODEL": str(model_dir),
-            "VISBATCH_DATABASE_URL": database_url,
+            "VISBATCH_DATABASE_URL": worker_url.render_as_string(hide_password=False),
             "VISBATCH_BROKER_URL": REDIS_URL,
             "VISBATCH_BROKER_PREFIX": self.prefix,
             "VISBATCH_TASK_TIME_LIMIT": "60",

@@ -65,7 +65,7 @@ class Runtime:
 
     @cached_property
     def engine(self) -> Engine:
-        return make_engine(self.settings.engine, self.adapter)
+        return make_engine(self.settings.engine, self.adapter, self.settings)
 
     @cached_property
     def generate_stage(self) -> GenerateStage:

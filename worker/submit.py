@@ -7,14 +7,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 from ingest.spec import JobSpec
 from ingest.stage import expand_paths, file_sha256
 from storage import fleet
 from storage import repository as repo
 from storage.models import FINISHED_JOB_STATUSES
-from storage.object_store import open_object_store
+from storage.object_store import iter_s3_uris
 from worker.runtime import Runtime
 
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
@@ -54,10 +53,7 @@ def resolve_inputs(rt: Runtime, inputs: list[str]) -> list[SourceRef]:
 def _s3_refs(rt: Runtime, uri: str) -> list[SourceRef]:
     if not uri.endswith("/"):
         return [SourceRef(uri, uri)]
-    parsed = urlparse(uri)
-    store = open_object_store(f"s3://{parsed.netloc}", endpoint_url=rt.settings.s3_endpoint_url)
-    keys = sorted(k for k in store.iter_keys(parsed.path.lstrip("/")) if not k.endswith("/"))
-    return [SourceRef(f"s3://{parsed.netloc}/{k}", f"s3://{parsed.netloc}/{k}") for k in keys]
+    return [SourceRef(u, u) for u in iter_s3_uris(uri, endpoint_url=rt.settings.s3_endpoint_url)]
 
 
 def submit_job(rt: Runtime, inputs: list[str], spec: JobSpec) -> str:

@@ -30,7 +30,7 @@ from storage import fleet
 from storage import repository as repo
 from storage.db import Database
 from storage.models import FINISHED_JOB_STATUSES, UnitStatus
-from storage.object_store import open_object_store
+from storage.object_store import download_s3_uri
 from storage.settings import Settings
 from worker.celery_app import app
 from worker.pipeline import NullProgress, generate_and_store, ingest_units, requests_for
@@ -118,9 +118,8 @@ def fetched(rt: Runtime, location: str) -> Iterator[Path]:
         if location.startswith("store:"):
             rt.store.download_file(location.removeprefix("store:"), dest)
         elif location.startswith("s3://"):
-            parsed = urlparse(location)
-            store = open_object_store(f"s3://{parsed.netloc}", endpoint_url=SETTINGS.s3_endpoint_url)
-            store.download_file(parsed.path.lstrip("/"), dest)
+            # A user's object: any key name (spaces, accents), not one of visbatch's own keys.
+            download_s3_uri(location, dest, endpoint_url=SETTINGS.s3_endpoint_url)
         else:
             raise ValueError(f"unknown source location {location!r}")
         yield dest

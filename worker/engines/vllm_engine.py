@@ -103,6 +103,14 @@ def check_request(request: EngineRequest, *, hidden_size: int, merge_size: int, 
         raise RequestRejected("max_new_tokens must be at least 1")
 
 
+@dataclass
+class PrefixCacheCounts:
+    """This engine's prompt tokens and how many of them vLLM's prefix cache served (exact)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -112,6 +120,7 @@ class VLLMEngine:
             raise VLLMUnavailable(f"VISBATCH_ENGINE=vllm but vLLM is not installed: {INSTALL_HINT}")
         self.adapter = adapter
         self.options = options or VLLMOptions()
+        self.prefix_cache = PrefixCacheCounts()
 
     # --- the LLM -------------------------------------------------------------------------
 
@@ -250,6 +259,8 @@ class VLLMEngine:
         if finish == "stop" and token_ids and token_ids[-1] in eos:
             token_ids = token_ids[:-1]
         text = self.adapter.tokenizer.decode(token_ids, skip_special_tokens=True)
+        self.prefix_cache.prompt_tokens += len(output.prompt_token_ids or [])
+        self.prefix_cache.cached_tokens += output.num_cached_tokens or 0
         return Generation(
             token_ids=token_ids,
             text=text,
@@ -260,13 +271,21 @@ class VLLMEngine:
     # --- stats ---------------------------------------------------------------------------
 
     def prefix_cache_stats(self) -> dict[str, int]:
-        """Prompt tokens looked up in / served by vLLM's prefix cache since the engine started.
+        """Prompt tokens vLLM's prefix cache was asked for ("queries") and served ("hits").
 
-        vLLM counts them as Prometheus counters (`vllm:prefix_cache_queries`, `..._hits`), which
-        the in-process LLM exposes through get_metrics() when stats are on (they are, above).
+        vLLM keeps them as Prometheus counters (`vllm:prefix_cache_queries`, `..._hits`), read
+        here through the in-process LLM's get_metrics() (stats are on, see _build_llm). Two
+        caveats, both harmless with one LLM per process: the registry is process-wide and the
+        latest LLM built re-registers the metrics (an older LLM's counts vanish from it); and
+        the counts arrive with the scheduler's stats, which can trail a batch's outputs by a
+        step. Exact per-request and per-engine numbers: `Generation.cached_tokens` (vLLM's
+        `RequestOutput.num_cached_tokens`) and `self.prefix_cache`.
         """
+        model = str(self.adapter.ref.source)
         totals = {"queries": 0, "hits": 0}
         for metric in self.llm.get_metrics():
+            if metric.labels.get("model_name", model) != model:
+                continue
             if metric.name == "vllm:prefix_cache_queries":
                 totals["queries"] += int(metric.value)
             elif metric.name == "vllm:prefix_cache_hits":

@@ -65,22 +65,22 @@ def build_tokenizer():
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
 
-def _vision_config(family: str, hidden_size: int, depth: int) -> dict:
+def _vision_config(family: str, hidden_size: int, depth: int, embed_dim: int = 64, heads: int = 2) -> dict:
     common = {
         "depth": depth,
-        "num_heads": 2,
+        "num_heads": heads,
         "patch_size": 14,
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
     }
     if family == "qwen2_vl":
-        return {**common, "embed_dim": 64, "hidden_size": hidden_size, "mlp_ratio": 2}
+        return {**common, "embed_dim": embed_dim, "hidden_size": hidden_size, "mlp_ratio": 2}
     # Qwen2.5-VL: windowed attention (112 px windows) except in the full-attention blocks,
     # and the merger projects to the LM width (out_hidden_size).
     return {
         **common,
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        "hidden_size": embed_dim,
+        "intermediate_size": 2 * embed_dim,
         "out_hidden_size": hidden_size,
         "window_size": 112,
         "fullatt_block_indexes": [depth - 1],
@@ -88,16 +88,29 @@ def _vision_config(family: str, hidden_size: int, depth: int) -> dict:
 
 
 def tiny_config(
-    tokenizer, *, family: str = "qwen2_vl", hidden_size: int = 128, layers: int = 2, vision_depth: int = 2
+    tokenizer,
+    *,
+    family: str = "qwen2_vl",
+    hidden_size: int = 128,
+    layers: int = 2,
+    vision_depth: int = 2,
+    heads: int = 2,
+    kv_heads: int = 1,
+    intermediate_size: int | None = None,
+    vision_embed_dim: int = 64,
+    vision_heads: int = 2,
 ):
+    """A random Qwen2-VL config; the defaults are the tiny test model, the knobs size it up
+    (benchmarks build a ~100M-parameter one on CPU: see bench/models.py)."""
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r} (choose from {', '.join(FAMILIES)})")
+    if hidden_size % heads or heads % kv_heads:
+        raise ValueError("hidden_size must divide by heads, and heads by kv_heads")
     config_class = Qwen2VLConfig if family == "qwen2_vl" else Qwen2_5_VLConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    heads = 2
     head_dim = hidden_size // heads
     # M-RoPE splits head_dim/2 rotary frequencies over (temporal, height, width).
     quarter = head_dim // 2 // 4
@@ -106,10 +119,10 @@ def tiny_config(
         text_config={
             "vocab_size": len(tokenizer),
             "hidden_size": hidden_size,
-            "intermediate_size": hidden_size * 2,
+            "intermediate_size": intermediate_size or hidden_size * 2,
             "num_hidden_layers": layers,
             "num_attention_heads": heads,
-            "num_key_value_heads": 1,
+            "num_key_value_heads": kv_heads,
             "max_position_embeddings": 32768,
             "rope_parameters": {
                 "rope_type": "default",
@@ -120,7 +133,7 @@ def tiny_config(
             "eos_token_id": ids["<|im_end|>"],
             "pad_token_id": ids["<|endoftext|>"],
         },
-        vision_config=_vision_config(family, hidden_size, vision_depth),
+        vision_config=_vision_config(family, hidden_size, vision_depth, vision_embed_dim, vision_heads),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
@@ -130,9 +143,19 @@ def tiny_config(
 
 
 def write_tiny_model(
-    out: Path, *, family: str = "qwen2_vl", seed: int = 0, hidden_size: int = 128, layers: int = 2
+    out: Path,
+    *,
+    family: str = "qwen2_vl",
+    seed: int = 0,
+    hidden_size: int = 128,
+    layers: int = 2,
+    **knobs: int,
 ) -> Path:
-    """Write a loadable tiny Qwen2-VL or Qwen2.5-VL (config, safetensors, tokenizer, processor) into `out`."""
+    """Write a loadable tiny Qwen2-VL or Qwen2.5-VL (config, safetensors, tokenizer, processor) into `out`.
+
+    `knobs` are tiny_config's other sizes (vision_depth, heads, kv_heads, intermediate_size,
+    vision_embed_dim, vision_heads).
+    """
     import torch
     import transformers
     from transformers import GenerationConfig, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
@@ -142,7 +165,7 @@ def write_tiny_model(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    config = tiny_config(tokenizer, family=family, hidden_size=hidden_size, layers=layers)
+    config = tiny_config(tokenizer, family=family, hidden_size=hidden_size, layers=layers, **knobs)
     torch.manual_seed(seed)
     model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval()
     model.generation_config = GenerationConfig(

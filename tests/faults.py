@@ -1,0 +1,138 @@
+"""Real faults for the fleet tests: a TCP proxy that can cut a service off, and a throwaway
+Redis server that can be restarted. Only loopback addresses are used."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TCPProxy:
+    """Forwards 127.0.0.1:port to a target. `cut()` drops every connection and refuses new ones
+    (the service is "down" for the client), `restore()` brings it back."""
+
+    def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
+        self.target = (target_host, target_port)
+        self.port = free_port()
+        self._up = threading.Event()
+        self._stop = threading.Event()
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._server: socket.socket | None = None
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self.restore()
+        self._thread.start()
+
+    def _listen(self) -> socket.socket:
+        server = socket.socket()
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", self.port))
+        server.listen(64)
+        server.settimeout(0.2)
+        return server
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._up.is_set() or self._server is None:
+                time.sleep(0.05)
+                continue
+            try:
+                client, _ = self._server.accept()
+            except (TimeoutError, OSError):
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        self._up.clear()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+                conn.close()
+            except OSError:
+                pass
+
+    def restore(self) -> None:
+        if self._server is None:
+            self._server = self._listen()
+        self._up.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.cut()
+
+
+class RedisServer:
+    """A Redis of the test's own, persisted with AOF (like the production broker) so a restart
+    keeps its queues."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        self.port = free_port()
+        self.dir = workdir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+                "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+                "--maxmemory-policy", "noeviction"]  # fmt: skip
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+    def restart(self, down_seconds: float = 2.0) -> None:
+        self.stop()
+        time.sleep(down_seconds)
+        self.start()

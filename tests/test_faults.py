@@ -1,0 +1,128 @@
+"""Faults injected for real into a running fleet (processes killed with SIGKILL, the broker
+restarted, the database cut off), then the database is checked: every unit of the job has exactly
+one result per prompt, and the job is closed. Loopback only; nothing shared is stopped."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+
+from tests.faults import RedisServer, TCPProxy
+from tests.fleet_harness import Fleet
+from tests.media import write_pdf
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("redis_url")]
+
+PROMPTS = ["-p", "What is on this page?", "-p", "Any table?"]
+
+
+def _scalar(fleet: Fleet, sql: str, **params: str) -> int:
+    with fleet.db.engine.connect() as conn:
+        return conn.execute(text(sql), params).scalar_one()
+
+
+def _units(fleet: Fleet, job_id: str, status: str | None = None) -> int:
+    sql = (
+        "SELECT count(*) FROM units WHERE job_id = :id"
+        " AND (CAST(:status AS TEXT) IS NULL OR status = :status)"
+    )
+    return _scalar(fleet, sql, id=job_id, status=status)
+
+
+def _wait_until(condition: Callable[[], bool], fleet: Fleet, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, fleet.logs()
+        time.sleep(0.05)
+
+
+def _exactly_once(fleet: Fleet, job_id: str, units: int, prompts: int = 2) -> None:
+    assert fleet.status(job_id) == "succeeded", fleet.logs()
+    per_unit = fleet.results_per_unit(job_id)
+    assert len(per_unit) == units
+    assert all(p == list(range(prompts)) for p in per_unit.values()), per_unit
+
+
+@pytest.fixture
+def fleet(tmp_path, tiny_model_dir, postgres_url):
+    f = Fleet(tmp_path, tiny_model_dir, postgres_url)
+    # Short limits so a task abandoned by a killed worker comes back within seconds.
+    f.set(visibility_timeout="20", task_time_limit="15")
+    yield f
+    f.close()
+
+
+def test_worker_killed_during_ingest(fleet, tmp_path):
+    # Units are stored 64 at a time: kill once the first chunk is in, before the source is done.
+    pdf = write_pdf(tmp_path / "long.pdf", pages=160)
+    ingest = fleet.start_worker("ingest")
+    fleet.start_worker("encode,generate")
+    job = fleet.submit(str(pdf), *PROMPTS, "--max-new-tokens", "1", "--longest-side", "448")
+    _wait_until(lambda: _units(fleet, job) > 0, fleet)
+    fleet.kill(ingest)
+    pending = "SELECT count(*) FROM sources WHERE job_id = :id AND status = 'pending'"
+    assert _scalar(fleet, pending, id=job) == 1, "ingest finished before the kill"
+    fleet.start_worker("ingest")
+    fleet.wait([job])
+    _exactly_once(fleet, job, 160)
+
+
+def test_worker_killed_during_encode(fleet, tmp_path):
+    pdf = write_pdf(tmp_path / "doc.pdf", pages=12)
+    fleet.set(encode_chunk_units="1")
+    fleet.start_worker("ingest")
+    encode = fleet.start_worker("encode")
+    fleet.start_worker("generate")
+    job = fleet.submit(str(pdf), *PROMPTS, "--max-new-tokens", "2")
+    _wait_until(lambda: _units(fleet, job) == 12 and _units(fleet, job, "pending") < 12, fleet)
+    fleet.kill(encode)
+    assert _units(fleet, job, "pending") > 0, "encode finished before the kill"
+    fleet.start_worker("encode")
+    fleet.wait([job])
+    _exactly_once(fleet, job, 12)
+
+
+def test_broker_restarted_during_a_job(fleet, tmp_path):
+    broker = RedisServer(tmp_path / "broker")
+    try:
+        fleet.set(broker_url=broker.url)
+        pdf = write_pdf(tmp_path / "doc.pdf", pages=8)
+        fleet.start_worker("ingest")
+        fleet.start_worker("encode,generate")
+        fleet.set(max_batch_size="1")
+        job = fleet.submit(str(pdf), *PROMPTS, "--max-new-tokens", "24", "--longest-side", "640")
+        _wait_until(lambda: fleet.result_count(job) > 0, fleet)
+        broker.restart(down_seconds=3)
+        fleet.wait([job])
+        _exactly_once(fleet, job, 8)
+    finally:
+        fleet.close()
+        broker.stop()
+
+
+def test_database_unreachable_for_a_while(tmp_path, tiny_model_dir, postgres_url):
+    """Workers reach PostgreSQL through a proxy that is cut for 8 s mid-job: tasks fail with
+    connection errors, retry with backoff, and the job completes once it is back."""
+    url = make_url(postgres_url)
+    proxy = TCPProxy(url.port or 5432, url.host or "127.0.0.1")
+    proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    fleet = Fleet(tmp_path, tiny_model_dir, postgres_url, worker_database_url=proxied)
+    try:
+        fleet.set(max_batch_size="1", encode_chunk_units="2")
+        pdf = write_pdf(tmp_path / "doc.pdf", pages=8)
+        fleet.start_worker("ingest")
+        fleet.start_worker("encode,generate")
+        job = fleet.submit(str(pdf), *PROMPTS, "--max-new-tokens", "24", "--longest-side", "640")
+        _wait_until(lambda: fleet.result_count(job) > 0, fleet)
+        proxy.cut()
+        time.sleep(8)
+        proxy.restore()
+        fleet.wait([job])
+        _exactly_once(fleet, job, 8)
+    finally:
+        fleet.close()
+        proxy.close()

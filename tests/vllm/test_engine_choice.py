@@ -1,0 +1,72 @@
+"""Which engine VISBATCH_ENGINE gives, and the error where vLLM is missing.
+
+These need no running vLLM (availability is faked), so they run in every venv; the tests that
+start vLLM (test_vllm_engine.py) skip where it cannot be imported.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from storage.settings import Settings
+from worker.engines import make_engine, resolve_engine_name
+from worker.engines import vllm_engine as vllm_module
+
+
+class FakeAdapter:
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+
+
+@pytest.mark.parametrize(
+    ("device", "importable", "expected"),
+    [("cuda", True, "vllm"), ("cuda", False, "transformers"), ("cpu", True, "transformers")],
+)
+def test_auto_is_vllm_only_with_vllm_and_a_gpu(monkeypatch, device, importable, expected):
+    monkeypatch.setattr(vllm_module, "vllm_available", lambda: importable)
+    assert resolve_engine_name("auto", FakeAdapter(device)) == expected
+    # Explicit names are kept as they are.
+    assert resolve_engine_name("transformers", FakeAdapter(device)) == "transformers"
+    assert resolve_engine_name("vllm", FakeAdapter(device)) == "vllm"
+
+
+def test_default_engine_is_auto(monkeypatch):
+    monkeypatch.delenv("VISBATCH_ENGINE", raising=False)
+    assert Settings().engine == "auto"
+
+
+def test_vllm_settings_from_the_environment(monkeypatch):
+    monkeypatch.setenv("VISBATCH_VLLM_MAX_NUM_SEQS", "64")
+    monkeypatch.setenv("VISBATCH_VLLM_MAX_NUM_BATCHED_TOKENS", "8192")
+    monkeypatch.setenv("VISBATCH_VLLM_GPU_MEMORY_UTILIZATION", "0.5")
+    monkeypatch.setenv("VISBATCH_VLLM_MAX_MODEL_LEN", "16384")
+    monkeypatch.setenv("VISBATCH_VLLM_TENSOR_PARALLEL_SIZE", "2")
+    options = vllm_module.VLLMOptions.from_settings(Settings())
+    assert options.llm_kwargs() == {
+        "max_num_batched_tokens": 8192,
+        "max_num_seqs": 64,
+        "gpu_memory_utilization": 0.5,
+        "max_model_len": 16384,
+        "tensor_parallel_size": 2,
+        "enforce_eager": False,
+    }
+
+
+def test_asking_for_vllm_without_it_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(vllm_module, "vllm_available", lambda: False)
+    with pytest.raises(vllm_module.VLLMUnavailable, match=r"pip install 'visbatch\[gpu\]'"):
+        make_engine("vllm", FakeAdapter("cuda"), Settings())
+
+
+def test_vllm_engine_is_built_lazily_from_settings(monkeypatch):
+    # Construction never imports vLLM nor starts it: the LLM starts on the first batch.
+    monkeypatch.setattr(vllm_module, "vllm_available", lambda: True)
+    engine = make_engine("vllm", FakeAdapter("cuda"), Settings(vllm_max_num_seqs=7))
+    assert engine.name == "vllm"
+    assert engine.options.max_num_seqs == 7
+
+
+def test_unknown_engine(monkeypatch):
+    with pytest.raises(ValueError, match="unknown engine"):
+        make_engine("tensorrt", FakeAdapter("cpu"), Settings())
