@@ -22,7 +22,7 @@ _ALPHA_MODES = {"RGBA", "LA", "PA", "RGBa", "La"}
 _16BIT_MODES = {"I;16", "I;16L", "I;16B", "I;16N"}
 
 
-def load_image(path: Path) -> RenderedImage:
+def load_image(path: Path, *, max_pixels: int = MAX_IMAGE_PIXELS) -> RenderedImage:
     """Decode the image at ``path``: EXIF orientation applied, RGB, alpha flattened on white.
 
     Multi-frame files (animated GIF, multi-page TIFF) give their first frame only.
@@ -30,7 +30,7 @@ def load_image(path: Path) -> RenderedImage:
     """
     try:
         with Image.open(path) as img:
-            _check_size(img.size)  # from the header, before a single pixel is decoded
+            _check_size(img.size, max_pixels)  # from the header, before a single pixel is decoded
             img.load()
             upright = _exif_upright(img)
             rgb = normalize_rgb(upright)
@@ -51,14 +51,12 @@ def load_image(path: Path) -> RenderedImage:
     return RenderedImage(index=0, image=rgb)
 
 
-def _check_size(size: tuple[int, int]) -> None:
+def _check_size(size: tuple[int, int], max_pixels: int = MAX_IMAGE_PIXELS) -> None:
     width, height = size
     if width <= 0 or height <= 0:
         raise SourceError(f"image has no pixels ({width}x{height})")
-    if width * height > MAX_IMAGE_PIXELS:
-        raise SourceError(
-            f"image is too large ({width}x{height}, over {MAX_IMAGE_PIXELS // 1_000_000} megapixels)"
-        )
+    if width * height > max_pixels:
+        raise SourceError(f"image is too large ({width}x{height}, over {max_pixels / 1e6:g} megapixels)")
 
 
 def _exif_upright(img: Image.Image) -> Image.Image:

@@ -61,6 +61,8 @@ def render_pdf_pages(
     longest_side: int | None = DEFAULT_LONGEST_SIDE,
     dpi: int | None = None,
     pages: str | None = None,
+    max_pages: int | None = None,
+    max_render_pixels: int = MAX_RENDER_PIXELS,
 ) -> Iterator[RenderedImage | UnitFailure]:
     """Yield each selected page as RGB, its longest side ``longest_side`` px (or at ``dpi``).
 
@@ -71,8 +73,13 @@ def render_pdf_pages(
     doc = _open_pdf(Path(path))
     try:
         indices = parse_page_ranges(pages, doc.page_count) if pages is not None else range(doc.page_count)
+        if max_pages is not None and len(indices) > max_pages:
+            raise SourceError(
+                f"{len(indices)} pages selected, over the limit of {max_pages} "
+                "(choose a range with --pages, or raise VISBATCH_LIMIT_MAX_PDF_PAGES)"
+            )
         for index in indices:
-            yield _render_page(doc, index, longest_side=longest_side, dpi=dpi)
+            yield _render_page(doc, index, longest_side=longest_side, dpi=dpi, max_pixels=max_render_pixels)
     finally:
         doc.close()
 
@@ -102,7 +109,7 @@ def _open_pdf(path: Path) -> pymupdf.Document:
 
 
 def _render_page(
-    doc: pymupdf.Document, index: int, *, longest_side: int | None, dpi: int | None
+    doc: pymupdf.Document, index: int, *, longest_side: int | None, dpi: int | None, max_pixels: int
 ) -> RenderedImage | UnitFailure:
     try:
         page = doc.load_page(index)
@@ -112,7 +119,7 @@ def _render_page(
         if rect.width <= 0 or rect.height <= 0:
             return UnitFailure(index, f"page {index + 1} has zero size")
         target = None if dpi is not None else (longest_side or DEFAULT_LONGEST_SIDE)
-        zoom = _zoom(rect.width, rect.height, longest_side=target, dpi=dpi)
+        zoom = _zoom(rect.width, rect.height, longest_side=target, dpi=dpi, max_pixels=max_pixels)
         pix = page.get_pixmap(matrix=pymupdf.Matrix(zoom, zoom), colorspace=pymupdf.csRGB, alpha=False)
         if pix.width == 0 or pix.height == 0:
             return UnitFailure(index, f"page {index + 1} renders to an empty image")
@@ -124,10 +131,17 @@ def _render_page(
     return RenderedImage(index=index, image=image, text=_page_text(page))
 
 
-def _zoom(width: float, height: float, *, longest_side: int | None, dpi: int | None) -> float:
-    """Scale from PDF points to pixels, lowered if needed to stay under MAX_RENDER_PIXELS."""
+def _zoom(
+    width: float,
+    height: float,
+    *,
+    longest_side: int | None,
+    dpi: int | None,
+    max_pixels: int = MAX_RENDER_PIXELS,
+) -> float:
+    """Scale from PDF points to pixels, lowered if needed to stay under `max_pixels`."""
     zoom = dpi / POINTS_PER_INCH if dpi is not None else (longest_side or 0) / max(width, height)
-    cap = math.sqrt(MAX_RENDER_PIXELS / (width * height))
+    cap = math.sqrt(max_pixels / (width * height))
     return min(zoom, cap)
 
 

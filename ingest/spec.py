@@ -11,6 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ingest.budget import VisualBudget
+
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_SCHEMA_DEPTH = 32
 
@@ -60,6 +62,8 @@ class JobSpec(BaseModel):
     model: str | None = Field(None, description="Overrides the settings' model for this job.")
     sampling: Sampling = Field(default_factory=Sampling)
     ingest: IngestOptions = Field(default_factory=IngestOptions)
+    # Detail presets, token caps, redundant-frame skipping, pruning (see ingest.budget).
+    budget: VisualBudget = Field(default_factory=VisualBudget)
 
     @field_validator("prompts")
     @classmethod

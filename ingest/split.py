@@ -6,14 +6,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ingest.images import load_image
+from ingest.limits import Limits
 from ingest.pdf import render_pdf_pages
 from ingest.spec import IngestOptions
 from ingest.units import RenderedImage, SourceError, SourceKind, UnitFailure
 from ingest.video import sample_video_frames
 
+DEFAULT_LIMITS = Limits()
+
 
 def split_source(
-    path: Path, kind: SourceKind, options: IngestOptions
+    path: Path, kind: SourceKind, options: IngestOptions, limits: Limits = DEFAULT_LIMITS
 ) -> Iterator[RenderedImage | UnitFailure]:
     """Yield the units of ``path`` (of ``kind``, from ``ingest.detect.detect_kind``).
 
@@ -23,13 +26,22 @@ def split_source(
     path = Path(path)
     if kind == "pdf":
         yield from render_pdf_pages(
-            path, longest_side=options.longest_side, dpi=options.dpi, pages=options.pages
+            path,
+            longest_side=options.longest_side,
+            dpi=options.dpi,
+            pages=options.pages,
+            max_pages=limits.max_pdf_pages,
+            max_render_pixels=limits.max_render_pixels,
         )
     elif kind == "video":
         yield from sample_video_frames(
-            path, fps=options.fps, max_frames=options.max_frames, num_frames=options.num_frames
+            path,
+            fps=options.fps,
+            max_frames=options.max_frames,
+            num_frames=options.num_frames,
+            max_seconds=limits.max_video_seconds,
         )
     elif kind == "image":
-        yield load_image(path)
+        yield load_image(path, max_pixels=limits.max_image_pixels)
     else:
         raise SourceError(f"unsupported source kind {kind!r}")

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from PIL import Image
 
 from ingest.detect import detect_kind
-from ingest.spec import IngestOptions
-from ingest.split import split_source
-from ingest.units import RenderedImage, SourceKind, UnitFailure
+from ingest.isolation import SourceInfo, StoredUnit
+from ingest.limits import Limits
+from ingest.units import SourceError, UnitFailure
 from storage.object_store import ObjectStore
 from storage.repository import UnitRow
 
@@ -26,6 +25,7 @@ TokenCounter = Callable[[int, int], int]  # (width, height) -> visual tokens
 # Fast PNG: level 1 is ~5x faster to write than the default and only ~15% larger;
 # ingest is CPU-bound and must not starve the GPU stages.
 PNG_COMPRESS_LEVEL = 1
+DEFAULT_LIMITS = Limits()
 
 
 def file_sha256(path: Path, chunk: int = 1 << 20) -> tuple[str, int]:
@@ -57,67 +57,63 @@ def store_image(store: ObjectStore, image: Image.Image) -> str:
     return key
 
 
-@dataclass(frozen=True)
-class SourceInfo:
-    kind: SourceKind
-    sha256: str
-    size: int
+def check_source(path: Path, limits: Limits = DEFAULT_LIMITS) -> None:
+    """What the worker checks itself before a child process reads a byte of the file."""
+    if not path.exists():
+        raise SourceError("file not found")
+    if not path.is_file():  # a FIFO or device would block the reader forever
+        raise SourceError("not a regular file")
+    size = path.stat().st_size
+    if size > limits.max_source_bytes:
+        raise SourceError(
+            f"file is {size / 1e6:,.1f} MB, over the limit of {limits.max_source_bytes / 1e6:,.1f} MB "
+            "(VISBATCH_LIMIT_MAX_SOURCE_BYTES)"
+        )
 
 
-def inspect_source(path: Path) -> SourceInfo:
-    """Kind by content, hash and size. Raises SourceError (or OSError) for unreadable sources."""
+def inspect_source(path: Path, limits: Limits = DEFAULT_LIMITS) -> SourceInfo:
+    """Kind by content, hash and size, in this process (for `visbatch ingest` and the planner)."""
+    check_source(path, limits)
     kind = detect_kind(path)
     sha, size = file_sha256(path)
     return SourceInfo(kind=kind, sha256=sha, size=size)
 
 
 def unit_rows(
-    path: Path,
-    kind: SourceKind,
-    options: IngestOptions,
-    store: ObjectStore,
-    count_tokens: TokenCounter,
+    items: Iterable[StoredUnit | UnitFailure], count_tokens: TokenCounter, max_tokens: int
 ) -> Iterator[UnitRow]:
-    """One row per page or frame; a page or frame that fails is a row with an error, not an exception."""
-    for item in split_source(path, kind, options):
+    """One row per page or frame; a page or frame that fails is a row with an error, not an exception.
+
+    The images were rendered and stored by the splitting process; here each unit gets its
+    visual-token count from the model's resize rule (no weights needed).
+    """
+    for item in items:
         if isinstance(item, UnitFailure):
             yield UnitRow(
-                index=item.index,
-                width=None,
-                height=None,
-                image_key=None,
-                visual_tokens=None,
-                timestamp=item.timestamp,
-                error=item.message,
-            )
+                index=item.index, width=None, height=None, image_key=None, visual_tokens=None,
+                timestamp=item.timestamp, error=item.message,
+            )  # fmt: skip
             continue
-        yield _row(item, store, count_tokens)
+        yield _row(item, count_tokens, max_tokens)
 
 
-def _row(item: RenderedImage, store: ObjectStore, count_tokens: TokenCounter) -> UnitRow:
-    width, height = item.image.size
+def _row(item: StoredUnit, count_tokens: TokenCounter, max_tokens: int) -> UnitRow:
+    error, tokens = None, None
     try:
-        tokens = count_tokens(width, height)
+        tokens = count_tokens(item.width, item.height)
     except ValueError as exc:  # e.g. an aspect ratio the model's resize rule refuses
-        return UnitRow(
-            index=item.index,
-            width=width,
-            height=height,
-            image_key=None,
-            visual_tokens=None,
-            timestamp=item.timestamp,
-            text=item.text,
-            error=f"cannot be encoded: {exc}",
-        )
-    key = store_image(store, item.image)
+        error = f"cannot be encoded: {exc}"
+    if tokens is not None and tokens > max_tokens:
+        error = f"{tokens} visual tokens, over the limit of {max_tokens} (VISBATCH_LIMIT_MAX_VISUAL_TOKENS)"
     return UnitRow(
         index=item.index,
-        width=width,
-        height=height,
-        image_key=key,
-        visual_tokens=tokens,
+        width=item.width,
+        height=item.height,
+        image_key=None if error else item.image_key,
+        visual_tokens=None if error else tokens,
         timestamp=item.timestamp,
         text=item.text,
+        error=error,
     )
 
 

@@ -60,7 +60,12 @@ def plan_targets(
 
 
 def sample_video_frames(
-    path: Path, *, fps: float | None = DEFAULT_FPS, max_frames: int = 64, num_frames: int | None = None
+    path: Path,
+    *,
+    fps: float | None = DEFAULT_FPS,
+    max_frames: int = 64,
+    num_frames: int | None = None,
+    max_seconds: float | None = None,
 ) -> Iterator[RenderedImage | UnitFailure]:
     """Yield frames sampled from the video at ``path`` (see the module docstring for which).
 
@@ -75,6 +80,11 @@ def sample_video_frames(
         duration = _header_duration(container, stream)
         if duration is None:
             duration = _duration_by_demux(path)
+        if max_seconds is not None and duration > max_seconds:
+            raise SourceError(
+                f"video lasts {duration:.0f} s, over the limit of {max_seconds:.0f} s "
+                "(raise VISBATCH_LIMIT_MAX_VIDEO_SECONDS)"
+            )
         cursor = _Cursor(container, stream)
         if cursor.nearest(0.0) is None:
             raise SourceError("video has no decodable frames")

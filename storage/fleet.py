@@ -75,7 +75,7 @@ def units_by_ids(db: Database, unit_ids: Sequence[int], status: UnitStatus) -> l
     columns = (
         UNITS.c.id, UNITS.c.job_id, UNITS.c.source_id, SOURCES.c.uri, SOURCES.c.kind, UNITS.c.unit_index,
         UNITS.c.image_key, UNITS.c.visual_tokens, UNITS.c.width, UNITS.c.height, UNITS.c.cache_key,
-        UNITS.c.cache_hit, UNITS.c.timestamp,
+        UNITS.c.cache_hit, UNITS.c.timestamp, UNITS.c.min_pixels, UNITS.c.max_pixels,
     )  # fmt: skip
     tasks: list[UnitTask] = []
     with db.session(readonly=True) as session:

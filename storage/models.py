@@ -64,6 +64,9 @@ class UnitStatus(StrEnum):
     ENCODED = "encoded"
     DONE = "done"
     FAILED = "failed"
+    # A video frame left out as a near-duplicate of an earlier kept frame (skip_reason says why):
+    # never encoded nor asked, and not a failure.
+    SKIPPED = "skipped"
 
 
 class ClaimStatus(StrEnum):
@@ -215,6 +218,14 @@ class Unit(Base):
         String(STATUS_LENGTH), nullable=False, default=UnitStatus.PENDING.value
     )
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # The visual-token budget (migration 0003): the resize bounds this unit is encoded with (NULL:
+    # the model's own), its tokens at the model's own bounds (for "tokens saved"), and for a
+    # skipped frame why, and which kept frame it repeats.
+    min_pixels: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_pixels: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    full_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    skip_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    duplicate_of: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Result(Base):
@@ -248,6 +259,8 @@ class Result(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     visual_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    # Visual tokens left out of the LM input by pruning (visual_tokens counts the whole image).
+    pruned_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
     finish_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
     model: Mapped[str] = mapped_column(String(255), nullable=False)
     engine: Mapped[str] = mapped_column(String(64), nullable=False)

@@ -103,6 +103,13 @@ class UnitRow:
     timestamp: float | None = None
     text: str | None = None
     error: str | None = None
+    # The visual-token budget: resize bounds (None: the model's own), tokens at the model's own
+    # bounds, and for a skipped video frame why and which kept frame it repeats.
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    full_tokens: int | None = None
+    skip_reason: str | None = None
+    duplicate_of: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +129,7 @@ class ResultRow:
     engine: str
     cache_hit: bool
     latency_ms: float
+    pruned_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +149,8 @@ class UnitTask:
     cache_key: str | None
     cache_hit: bool | None
     timestamp: float | None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,8 +361,19 @@ _UNIT_DATA_COLUMNS = (
     "cache_hit",
     "status",
     "error",
+    "min_pixels",
+    "max_pixels",
+    "full_tokens",
+    "skip_reason",
+    "duplicate_of",
 )
-_REWRITABLE_UNIT_STATUSES = (UnitStatus.PENDING.value, UnitStatus.FAILED.value)
+_REWRITABLE_UNIT_STATUSES = (UnitStatus.PENDING.value, UnitStatus.FAILED.value, UnitStatus.SKIPPED.value)
+
+
+def _new_unit_status(row: UnitRow) -> UnitStatus:
+    if row.error:
+        return UnitStatus.FAILED
+    return UnitStatus.SKIPPED if row.skip_reason else UnitStatus.PENDING
 
 
 def _unit_params(job_id: str, source_id: int, row: UnitRow) -> dict[str, Any]:
@@ -368,8 +389,13 @@ def _unit_params(job_id: str, source_id: int, row: UnitRow) -> dict[str, Any]:
         "visual_tokens": row.visual_tokens,
         "cache_key": None,
         "cache_hit": None,
-        "status": (UnitStatus.FAILED if row.error else UnitStatus.PENDING).value,
+        "status": _new_unit_status(row).value,
         "error": row.error,
+        "min_pixels": row.min_pixels,
+        "max_pixels": row.max_pixels,
+        "full_tokens": row.full_tokens,
+        "skip_reason": row.skip_reason,
+        "duplicate_of": row.duplicate_of,
     }
 
 
@@ -381,7 +407,7 @@ def _unit_deltas(before: Mapping[int, Row[Any]], rows: Sequence[UnitRow]) -> dic
         old_status = old.status if old is not None else None
         if old_status not in (None, *_REWRITABLE_UNIT_STATUSES):
             continue  # already encoded or done: the upsert leaves it alone
-        new_status = UnitStatus.FAILED if row.error else UnitStatus.PENDING
+        new_status = _new_unit_status(row)
         deltas["units_total"] += old is None
         deltas["units_failed"] += (new_status == UnitStatus.FAILED) - (old_status == UnitStatus.FAILED)
         deltas["units_pending"] += (new_status == UnitStatus.PENDING) - (old_status == UnitStatus.PENDING)
@@ -531,6 +557,7 @@ _RESULT_UPDATE_COLUMNS = (
     "engine",
     "cache_hit",
     "latency_ms",
+    "pruned_tokens",
     "updated_at",
 )
 
@@ -562,6 +589,7 @@ def upsert_results(db: Database, job_id: str, rows: Sequence[ResultRow]) -> int:
             "engine": row.engine,
             "cache_hit": row.cache_hit,
             "latency_ms": row.latency_ms,
+            "pruned_tokens": row.pruned_tokens,
             "created_at": now,
             "updated_at": now,
         }
@@ -754,6 +782,9 @@ def job_summary(db: Database, job_id: str, *, max_errors: int = MAX_ERRORS) -> d
         job = session.execute(select(JOBS).where(JOBS.c.id == full_id)).one()
         results_total, results_failed, prompt_tokens, completion_tokens = _result_totals(session, full_id)
         errors, truncated = _collect_errors(session, full_id, max_errors)
+        from storage.token_report import token_report  # beside the tables it reads
+
+        tokens = token_report(session, full_id)
     return {
         "id": job.id,
         "status": job.status,
@@ -774,6 +805,7 @@ def job_summary(db: Database, job_id: str, *, max_errors: int = MAX_ERRORS) -> d
         "visual_tokens": job.visual_tokens,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
+        "tokens": tokens,
         "errors": errors,
         "errors_truncated": truncated,
     }
@@ -798,6 +830,7 @@ _RESULT_COLUMNS = (
     RESULTS.c.engine.label("engine"),
     RESULTS.c.cache_hit.label("cache_hit"),
     RESULTS.c.latency_ms.label("latency_ms"),
+    RESULTS.c.pruned_tokens.label("pruned_tokens"),
 )
 
 
@@ -864,6 +897,8 @@ def _units_in_state(db: Database, job_id: str, status: UnitStatus, limit: int | 
             UNITS.c.cache_key,
             UNITS.c.cache_hit,
             UNITS.c.timestamp,
+            UNITS.c.min_pixels,
+            UNITS.c.max_pixels,
         )
         .join_from(UNITS, SOURCES, UNITS.c.source_id == SOURCES.c.id)
         .where(UNITS.c.job_id == job_id, UNITS.c.status == status.value)

@@ -60,6 +60,19 @@ class Settings(BaseSettings):
     vllm_tensor_parallel_size: int = Field(1, ge=1, description="GPUs one model is split over.")
     vllm_enforce_eager: bool = Field(False, description="Skip graph capture/compilation (faster start).")
 
+    # --- input limits (defaults in ingest/limits.py; None keeps the default) -----------------
+    limit_max_source_bytes: int | None = Field(None, ge=1, description="Bytes per source file.")
+    limit_max_pdf_pages: int | None = Field(None, ge=1, description="Pages selected from one PDF.")
+    limit_max_video_seconds: float | None = Field(None, gt=0, description="Duration of one video.")
+    limit_max_image_pixels: int | None = Field(None, ge=1, description="Decoded pixels of one image.")
+    limit_max_render_pixels: int | None = Field(None, ge=1, description="Pixels of one page render.")
+    limit_max_visual_tokens: int | None = Field(None, ge=1, description="Visual tokens of one page/frame.")
+    limit_unit_timeout_s: float | None = Field(
+        None, gt=0, description="Seconds per page render/frame decode."
+    )
+    limit_memory_bytes: int | None = Field(None, ge=1, description="Address space of the splitting process.")
+    ingest_workers: int = Field(2, ge=1, le=64, description="Sources split in parallel (embedded run).")
+
     # --- fleet (Celery on Redis) ---------------------------------------------------------
     broker_url: str = Field("redis://127.0.0.1:6379/0", description="Celery broker (never evicting).")
     broker_prefix: str = Field("", description="Prefix for every broker key (several fleets on one Redis).")

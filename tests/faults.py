@@ -136,3 +136,65 @@ class RedisServer:
         self.stop()
         time.sleep(down_seconds)
         self.start()
+
+
+class FlakyS3Proxy:
+    """An HTTP proxy in front of an S3 server that answers every `every`-th request with
+    503 SlowDown (what S3 says when throttling), to prove that clients retry."""
+
+    def __init__(self, target: str, every: int = 3) -> None:
+        import http.client
+        import http.server
+        from urllib.parse import urlparse
+
+        parsed = urlparse(target)
+        proxy = self
+        self.every, self.requests, self.failures = every, 0, 0
+        self._lock = threading.Lock()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:  # quiet
+                pass
+
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with proxy._lock:
+                    proxy.requests += 1
+                    fail = proxy.requests % proxy.every == 0
+                    proxy.failures += fail
+                if fail:
+                    error = b"<Error><Code>SlowDown</Code><Message>Slow down.</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(error)))
+                    self.end_headers()
+                    self.wfile.write(error)
+                    return
+                upstream = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=60)
+                upstream.request(self.command, self.path, body=body or None, headers=dict(self.headers))
+                response = upstream.getresponse()
+                data = response.read()
+                self.send_response(response.status)
+                for key, value in response.getheaders():
+                    if key.lower() not in ("content-length", "transfer-encoding", "connection"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                upstream.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        self.port = free_port()
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -72,3 +72,17 @@ def test_bad_entry_is_dropped_and_reencoded(tokens, tiny_adapter, damage):
 def test_missing_image_is_an_error_on_the_unit(tokens):
     [outcome] = tokens.encode_units([(7, "images/ab/" + "ab" * 32 + ".png")])
     assert outcome.error and "missing" in outcome.error
+
+
+def test_vision_only_encode_equals_the_full_model(tiny_model_dir):
+    """Beside vLLM an encode worker loads the tower alone: same tokens, no LM weights."""
+    from worker.models import ModelRef, load_adapter
+
+    rng = np.random.default_rng(3)
+    images = [Image.fromarray(rng.integers(0, 255, (120, 200, 3), dtype=np.uint8))]
+    full = load_adapter(ModelRef(str(tiny_model_dir)))
+    alone = load_adapter(ModelRef(str(tiny_model_dir)))
+    alone.vision_only = True
+    expected, got = full.encode(images)[0], alone.encode(images)[0]
+    assert torch.equal(expected.embeds, got.embeds) and torch.equal(expected.grid_thw, got.grid_thw)
+    assert "model" not in alone.__dict__  # the language model was never loaded

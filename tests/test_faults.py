@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from tests.faults import RedisServer, TCPProxy
+from tests.faults import FlakyS3Proxy, RedisServer, TCPProxy
 from tests.fleet_harness import Fleet
 from tests.media import write_pdf
 
@@ -123,6 +123,41 @@ def test_database_unreachable_for_a_while(tmp_path, tiny_model_dir, postgres_url
         proxy.restore()
         fleet.wait([job])
         _exactly_once(fleet, job, 8)
+    finally:
+        fleet.close()
+        proxy.close()
+
+
+def test_s3_throttling_and_cache_redis_down(tmp_path, tiny_model_dir, postgres_url, s3_server, s3_bucket,
+                                            closed_port):  # fmt: skip
+    """Images and cold tokens on S3 behind a proxy that throttles every 3rd request (503 SlowDown),
+    and the hot cache Redis down: work goes on through S3 and the tower. A missing S3 object is a
+    clear error on its source."""
+    proxy = FlakyS3Proxy(s3_server, every=3)
+    fleet = Fleet(tmp_path, tiny_model_dir, postgres_url)
+    try:
+        fleet.set(
+            store_url=f"s3://{s3_bucket}/store",
+            cache_url=f"redis://127.0.0.1:{closed_port}/0",
+            cache_cold_url=f"s3://{s3_bucket}/cache",
+            s3_endpoint_url=proxy.url,
+        )
+        fleet.env.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                          "AWS_DEFAULT_REGION": "us-east-1"})  # fmt: skip
+        pdf = write_pdf(tmp_path / "doc.pdf", pages=4)
+        fleet.start_worker("ingest")
+        fleet.start_worker("encode,generate")
+        missing = f"s3://{s3_bucket}/inbox/no-such-file.pdf"
+        job = fleet.submit(str(pdf), missing, *PROMPTS, "--max-new-tokens", "2")
+        fleet.wait([job])
+        assert fleet.status(job) == "partial", fleet.logs()
+        per_unit = fleet.results_per_unit(job)
+        assert len(per_unit) == 4 and all(p == [0, 1] for p in per_unit.values())
+        error = _scalar(
+            fleet, "SELECT error FROM sources WHERE job_id = :id AND uri = :uri", id=job, uri=missing
+        )
+        assert error == f"not found: {missing}"
+        assert proxy.failures > 0
     finally:
         fleet.close()
         proxy.close()

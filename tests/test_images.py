@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ingest import images
 from ingest.images import load_image, normalize_rgb
 from ingest.units import SourceError
 
@@ -139,12 +138,11 @@ def test_garbage_is_a_source_error(tmp_path: Path) -> None:
         load_image(path)
 
 
-def test_pixel_guard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pixel_guard(tmp_path: Path) -> None:
     path = tmp_path / "big.png"
     Image.new("RGB", (30, 30)).save(path)
-    monkeypatch.setattr(images, "MAX_IMAGE_PIXELS", 500)
     with pytest.raises(SourceError, match="too large"):
-        load_image(path)
+        load_image(path, max_pixels=500)
 
 
 @pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")

@@ -50,7 +50,8 @@ def test_single_head_and_packaged_folder() -> None:
     assert (folder / "env.py").is_file()
     assert (folder / "versions" / "0001_initial.py").is_file()
     assert (folder / "versions" / "0002_fleet.py").is_file()
-    assert _head() == "0002"
+    assert (folder / "versions" / "0003_token_budget.py").is_file()
+    assert _head() == "0003"
 
 
 def test_upgrade_creates_all_tables(db_url: str) -> None:

@@ -7,7 +7,6 @@ from pathlib import Path
 import pymupdf
 import pytest
 
-from ingest import pdf
 from ingest.pdf import parse_page_ranges, render_pdf_pages
 from ingest.units import RenderedImage, SourceError, UnitFailure
 
@@ -120,9 +119,9 @@ def test_dpi_mode(tmp_path: Path) -> None:
     assert wins.image.size == (100, 200)  # dpi, when given, wins over longest_side
 
 
-def test_render_is_capped_in_pixels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pdf, "MAX_RENDER_PIXELS", 20_000)
-    (unit,) = _images(list(render_pdf_pages(_doc(tmp_path / "d.pdf", pages=1), longest_side=1000)))
+def test_render_is_capped_in_pixels(tmp_path: Path) -> None:
+    doc = _doc(tmp_path / "d.pdf", pages=1)
+    (unit,) = _images(list(render_pdf_pages(doc, longest_side=1000, max_render_pixels=20_000)))
     width, height = unit.image.size
     assert width * height <= 20_000 * 1.05
     assert abs(width / height - 0.5) < 0.02  # same shape, just smaller
@@ -217,3 +216,10 @@ def test_zero_pages(tmp_path: Path) -> None:
     path.write_bytes(body)
     with pytest.raises(SourceError, match="PDF has no pages"):
         list(render_pdf_pages(path))
+
+
+def test_page_limit(tmp_path: Path) -> None:
+    path = _doc(tmp_path / "d.pdf", pages=5)
+    with pytest.raises(SourceError, match="over the limit of 3"):
+        list(render_pdf_pages(path, max_pages=3))
+    assert len(list(render_pdf_pages(path, pages="1-3", max_pages=3))) == 3

@@ -18,6 +18,18 @@ from rich.table import Table
 
 from ingest.spec import IngestOptions, JobSpec, Sampling
 from storage.settings import Settings
+from worker.budget_options import (
+    Detail,
+    MaxPixels,
+    MaxTokensPerFrame,
+    MaxTokensPerVideo,
+    MinPixels,
+    PruneKeep,
+    RedundancyThreshold,
+    SkipFrames,
+    token_lines,
+    visual_budget,
+)
 
 app = typer.Typer(
     help="Run vision-language models over piles of PDFs, videos and images.", no_args_is_help=True
@@ -59,7 +71,16 @@ def _ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames) -> In
     return IngestOptions(**opts)
 
 
-def _job_spec(prompts, schema, max_new_tokens, temperature, top_p, seed, ingest) -> JobSpec:
+def _budget(*options):
+    """The job's visual-token budget from the CLI options (see worker.budget_options)."""
+    try:
+        return visual_budget(*options)
+    except ValueError as exc:
+        _fail(f"visual-token budget: {exc}")
+        raise  # unreachable
+
+
+def _job_spec(prompts, schema, max_new_tokens, temperature, top_p, seed, ingest, budget=None) -> JobSpec:
     from worker.structured import SchemaError, check_schema
 
     json_schema = None
@@ -75,6 +96,7 @@ def _job_spec(prompts, schema, max_new_tokens, temperature, top_p, seed, ingest)
             json_schema=json_schema,
             sampling=Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed),
             ingest=ingest,
+            **({"budget": budget} if budget is not None else {}),
         )
     except ValueError as exc:
         _fail(str(exc))
@@ -132,6 +154,14 @@ def run(
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option()] = 1.0,
     seed: Annotated[int, typer.Option()] = 0,
+    detail: Detail = None,
+    min_pixels: MinPixels = None,
+    max_pixels: MaxPixels = None,
+    max_tokens_per_frame: MaxTokensPerFrame = None,
+    max_tokens_per_video: MaxTokensPerVideo = None,
+    skip_redundant_frames: SkipFrames = True,
+    redundancy_threshold: RedundancyThreshold = 3.0,
+    prune_keep: PruneKeep = 1.0,
 ) -> None:
     """Run a job in this process (embedded shape) and print its id. Exit 0 only if every unit succeeded."""
     from worker.pipeline import run_job
@@ -144,6 +174,16 @@ def run(
         top_p,
         seed,
         _ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames),
+        _budget(
+            detail,
+            min_pixels,
+            max_pixels,
+            max_tokens_per_frame,
+            max_tokens_per_video,
+            skip_redundant_frames,
+            redundancy_threshold,
+            prune_keep,
+        ),  # fmt: skip
     )
     rt = _runtime(model)
     _load_adapter(rt)
@@ -179,6 +219,14 @@ def submit(
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option()] = 1.0,
     seed: Annotated[int, typer.Option()] = 0,
+    detail: Detail = None,
+    min_pixels: MinPixels = None,
+    max_pixels: MaxPixels = None,
+    max_tokens_per_frame: MaxTokensPerFrame = None,
+    max_tokens_per_video: MaxTokensPerVideo = None,
+    skip_redundant_frames: SkipFrames = True,
+    redundancy_threshold: RedundancyThreshold = 3.0,
+    prune_keep: PruneKeep = 1.0,
     wait: Annotated[bool, typer.Option("--wait", help="Show progress until the job ends.")] = False,
 ) -> None:
     """Send a job to the fleet (Celery workers); prints its id. Local files are uploaded to the store."""
@@ -192,6 +240,16 @@ def submit(
         top_p,
         seed,
         _ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames),
+        _budget(
+            detail,
+            min_pixels,
+            max_pixels,
+            max_tokens_per_frame,
+            max_tokens_per_video,
+            skip_redundant_frames,
+            redundancy_threshold,
+            prune_keep,
+        ),  # fmt: skip
     )
     rt = _runtime(model)
     job_id = submit_job(rt, inputs, spec)
@@ -374,6 +432,8 @@ def _print_summary(s: dict[str, Any]) -> None:
         "completion_tokens",
     ):
         table.add_row(key, str(s.get(key)))
+    for key, value in token_lines(s.get("tokens")):
+        table.add_row(key, value)
     console.print(table)
     for err in s.get("errors", [])[:20]:
         where = err["source"] + (f" #{err['unit']}" if err.get("unit") is not None else "")
@@ -423,6 +483,7 @@ RESULT_FIELDS = [
     "engine",
     "cache_hit",
     "latency_ms",
+    "pruned_tokens",
 ]
 
 
@@ -449,6 +510,8 @@ def results(
                 writer.writerow(dict(record, output=output_json))
             else:
                 handle.write(json.dumps({k: record.get(k) for k in RESULT_FIELDS}, default=str) + "\n")
+    for key, value in token_lines(summary.get("tokens")):  # stderr: the records stay clean on stdout
+        console.print(f"{key}: {value}")
 
 
 @app.command()
@@ -464,6 +527,15 @@ def jobs(limit: Annotated[int, typer.Option(help="How many, newest first.")] = 2
         units, failed = str(job.get("units_total")), str(job.get("units_failed"))
         table.add_row(job["status"], created, units, failed, job["id"])
     out.print(table)
+
+
+def _register_plan() -> None:
+    from worker.plan_cli import plan
+
+    app.command("plan")(plan)
+
+
+_register_plan()
 
 
 @model_app.command("tiny")

@@ -9,6 +9,7 @@ from pathlib import PurePosixPath
 
 from PIL import Image
 
+from ingest.budget import PixelBounds
 from storage.object_store import ObjectNotFound, ObjectStore
 from storage.token_cache import TokenCache
 from worker.models.base import ModelAdapter
@@ -49,10 +50,14 @@ class VisualTokenStore:
         self.batch_images = max(1, batch_images)
         self.stats = EncodeStats()
 
-    def cache_key(self, image_key: str) -> str:
-        return self.adapter.cache_key(image_hash_of(image_key))
+    def cache_key(self, image_key: str, bounds: PixelBounds | None = None) -> str:
+        """Content + preprocessing (the job's resize bounds included) + model."""
+        return self.adapter.cache_key(image_hash_of(image_key), bounds)
 
-    def lookup(self, cache_key: str) -> VisualTokens | None:
+    def _fingerprint(self, bounds: PixelBounds | None) -> str:
+        return self.adapter.fingerprint if bounds is None else self.adapter.fingerprint_for(bounds)
+
+    def lookup(self, cache_key: str, bounds: PixelBounds | None = None) -> VisualTokens | None:
         """A validated cache entry, or None. A corrupt entry is dropped so it gets re-encoded."""
         data = self.cache.get(cache_key)
         if data is None:
@@ -60,7 +65,7 @@ class VisualTokenStore:
         try:
             return VisualTokens.from_bytes(
                 data,
-                fingerprint=self.adapter.fingerprint,
+                fingerprint=self._fingerprint(bounds),
                 hidden_size=self.adapter.hidden_size,
                 merge_size=self.adapter.merge_size,
                 dtype=self.adapter.dtype,
@@ -75,58 +80,67 @@ class VisualTokenStore:
         with Image.open(io.BytesIO(self.store.get_bytes(image_key))) as img:
             return img.convert("RGB")
 
-    def encode_keys(self, image_keys: list[str]) -> list[VisualTokens]:
+    def encode_keys(self, image_keys: list[str], bounds: PixelBounds | None = None) -> list[VisualTokens]:
         """Run the tower over these images (in batches) and write every result to the cache."""
         out: list[VisualTokens] = []
+        fingerprint = self._fingerprint(bounds)
         for start in range(0, len(image_keys), self.batch_images):
             chunk = image_keys[start : start + self.batch_images]
             images = [self._load_image(k) for k in chunk]
             self.stats.tower_calls += 1
-            tokens = self.adapter.encode(images)
+            tokens = self.adapter.encode(images, bounds)
             self.stats.images_encoded += len(images)
             for key, vt in zip(chunk, tokens, strict=True):
-                self.cache.put(self.cache_key(key), vt.to_bytes(self.adapter.fingerprint))
+                self.cache.put(self.cache_key(key, bounds), vt.to_bytes(fingerprint))
             out.extend(tokens)
         return out
 
-    def get(self, image_key: str) -> VisualTokens:
+    def get(self, image_key: str, bounds: PixelBounds | None = None) -> VisualTokens:
         """For generation: the cached tokens, re-encoded if the cache evicted them meanwhile."""
-        found = self.lookup(self.cache_key(image_key))
-        return found if found is not None else self.encode_keys([image_key])[0]
+        found = self.lookup(self.cache_key(image_key, bounds), bounds)
+        return found if found is not None else self.encode_keys([image_key], bounds)[0]
 
-    def encode_units(self, units: list[tuple[int, str]]) -> list[EncodeOutcome]:
-        """Make sure every (unit_id, image_key) has cached tokens; hits skip the tower entirely.
+    def encode_units(
+        self, units: list[tuple[int, str]] | list[tuple[int, str, PixelBounds | None]]
+    ) -> list[EncodeOutcome]:
+        """Make sure every (unit_id, image_key[, bounds]) has cached tokens; hits skip the tower.
 
-        Units sharing an image (identical pages, static frames) are encoded once.
+        Units sharing an image and bounds (identical pages, static frames) are encoded once; one
+        tower call takes images of one bounds (the processor resizes a call alike).
         """
         outcomes: dict[int, EncodeOutcome] = {}
-        misses: dict[str, list[int]] = {}
-        for unit_id, image_key in units:
-            key = self.cache_key(image_key)
+        misses: dict[tuple[str, PixelBounds | None], list[int]] = {}
+        for unit in units:
+            unit_id, image_key = unit[0], unit[1]
+            bounds = unit[2] if len(unit) > 2 else None
+            key = self.cache_key(image_key, bounds)
             # The tensors are not needed here: checking the header and shape is enough.
-            if self.lookup(key) is not None:
+            if self.lookup(key, bounds) is not None:
                 outcomes[unit_id] = EncodeOutcome(unit_id, key, cache_hit=True)
             else:
-                misses.setdefault(image_key, []).append(unit_id)
-        keys = list(misses)
-        for start in range(0, len(keys), self.batch_images):
-            chunk = keys[start : start + self.batch_images]
-            try:
-                self.encode_keys(chunk)
-                done = {k: None for k in chunk}
-            except Exception as exc:  # one bad image must not fail the batch: retry each alone
-                log.warning("encode batch failed (%s); retrying images one by one", exc)
-                done = {k: self._encode_alone(k) for k in chunk}
-            for image_key, error in done.items():
-                key = self.cache_key(image_key)
-                for i, unit_id in enumerate(misses[image_key]):
-                    # Only the first unit of a shared image paid for the tower.
-                    outcomes[unit_id] = EncodeOutcome(unit_id, None if error else key, i > 0, error)
-        return [outcomes[unit_id] for unit_id, _ in units]
+                misses.setdefault((image_key, bounds), []).append(unit_id)
+        by_bounds: dict[PixelBounds | None, list[str]] = {}
+        for image_key, bounds in misses:
+            by_bounds.setdefault(bounds, []).append(image_key)
+        for bounds, keys in by_bounds.items():
+            for start in range(0, len(keys), self.batch_images):
+                chunk = keys[start : start + self.batch_images]
+                try:
+                    self.encode_keys(chunk, bounds)
+                    done = {k: None for k in chunk}
+                except Exception as exc:  # one bad image must not fail the batch: retry each alone
+                    log.warning("encode batch failed (%s); retrying images one by one", exc)
+                    done = {k: self._encode_alone(k, bounds) for k in chunk}
+                for image_key, error in done.items():
+                    key = self.cache_key(image_key, bounds)
+                    for i, unit_id in enumerate(misses[(image_key, bounds)]):
+                        # Only the first unit of a shared image paid for the tower.
+                        outcomes[unit_id] = EncodeOutcome(unit_id, None if error else key, i > 0, error)
+        return [outcomes[unit[0]] for unit in units]
 
-    def _encode_alone(self, image_key: str) -> str | None:
+    def _encode_alone(self, image_key: str, bounds: PixelBounds | None = None) -> str | None:
         try:
-            self.encode_keys([image_key])
+            self.encode_keys([image_key], bounds)
             return None
         except ObjectNotFound:
             return f"image {image_key} is missing from the object store"

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from ingest.budget import PixelBounds
 from ingest.spec import JobSpec
 from storage.repository import ResultRow
 from worker.encode import VisualTokenStore
@@ -33,6 +34,8 @@ class RequestRef:
     visual_tokens: int
     cache_hit: bool
     spec: JobSpec = field(compare=False, hash=False, repr=False)
+    # The unit's resize bounds (its job's budget); None: the model's own. Part of the cache key.
+    bounds: PixelBounds | None = None
 
     @property
     def prompt(self) -> str:
@@ -95,19 +98,20 @@ class GenerateStage:
 
     def _prepare(self, ref: RequestRef) -> EngineRequest | str:
         try:
-            visual = self.tokens.get(ref.image_key)
+            visual = self.tokens.get(ref.image_key, ref.bounds)
         except Exception as exc:
             return f"visual tokens unavailable: {type(exc).__name__}: {exc}"
         spec, s = ref.spec, ref.spec.sampling
         return EngineRequest(
             prompt_ids=self.adapter.prompt_ids(ref.prompt, visual.num_tokens),
             visual=visual,
-            cache_key=self.tokens.cache_key(ref.image_key),
+            cache_key=self.tokens.cache_key(ref.image_key, ref.bounds),
             max_new_tokens=s.max_new_tokens,
             temperature=s.temperature,
             top_p=s.top_p,
             seed=s.seed,
             json_schema=spec.json_schema,
+            prune_keep=spec.budget.prune_keep,
         )
 
     def _generate(self, requests: list[EngineRequest]) -> list[Generation | str]:
@@ -164,5 +168,6 @@ class GenerateStage:
             error=error,
             completion_tokens=len(outcome.token_ids),
             finish_reason=outcome.finish_reason,
+            pruned_tokens=outcome.pruned_tokens,
             **common,
         )

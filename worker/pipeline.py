@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from ingest.budget import PixelBounds
+from ingest.budget_rows import SourceBudget
+from ingest.isolation import SourceInfo
 from ingest.spec import JobSpec
-from ingest.stage import expand_paths, inspect_source, unit_rows
+from ingest.stage import check_source, expand_paths
 from ingest.units import SourceError
 from storage import repository as repo
 from worker.generate import RequestRef
@@ -45,12 +49,17 @@ class NullProgress:
 
 
 def ingest_job(rt: Runtime, job_id: str, paths: list[Path], spec: JobSpec, progress: Progress) -> None:
+    """Sources are split in parallel (VISBATCH_INGEST_WORKERS), each thread with its own child process."""
     files = expand_paths(paths)
     progress.start("ingest", len(files))
-    for path in files:
-        source_id = repo.add_source(rt.db, job_id, str(path))
-        ingest_one(rt, job_id, source_id, path, spec)
+    sources = [(repo.add_source(rt.db, job_id, str(path)), path) for path in files]
+
+    def one(item: tuple[int, Path]) -> None:
+        ingest_one(rt, job_id, item[0], item[1], spec)
         progress.advance("ingest")
+
+    with ThreadPoolExecutor(max_workers=rt.settings.ingest_workers, thread_name_prefix="ingest") as pool:
+        list(pool.map(one, sources))
 
 
 @dataclass(frozen=True)
@@ -62,26 +71,37 @@ class IngestOutcome:
 
 
 def ingest_units(rt: Runtime, job_id: str, source_id: int, path: Path, spec: JobSpec) -> IngestOutcome:
-    """Split one source into unit rows (in chunks); the caller records the source's outcome."""
+    """Split one source (in this thread's child process) into unit rows, stored in chunks.
+
+    The caller records the source's outcome.
+    """
     try:
-        info = inspect_source(path)
+        check_source(path, rt.limits)
     except SourceError as exc:
         return IngestOutcome(error=str(exc))
-    except OSError as exc:
-        return IngestOutcome(error=f"cannot read: {exc.strerror or exc}")
-    facts = {"kind": info.kind, "sha256": info.sha256, "size": info.size}
+    info: SourceInfo | None = None
     chunk: list[repo.UnitRow] = []
+    items = rt.splitter().split(path, spec.ingest)
     try:
-        for row in unit_rows(path, info.kind, spec.ingest, rt.store, rt.adapter.visual_tokens):
+        first = next(items)
+        assert isinstance(first, SourceInfo)
+        info = first
+        # The job's visual-token budget: bounds per unit, skipped frames, the per-video cap.
+        budget = SourceBudget.for_job(spec, rt.adapter)
+        for row in budget.rows(items, info.kind, rt.limits.max_visual_tokens):
             chunk.append(row)
             if len(chunk) >= UNIT_CHUNK:
                 repo.add_units(rt.db, job_id, source_id, chunk)
                 chunk = []
-        if chunk:
-            repo.add_units(rt.db, job_id, source_id, chunk)
     except SourceError as exc:
-        return IngestOutcome(error=str(exc), **facts)
-    return IngestOutcome(**facts)
+        error: str | None = str(exc)
+    else:
+        error = None
+    if chunk:  # units done before a failure are kept
+        repo.add_units(rt.db, job_id, source_id, chunk)
+    if info is None:
+        return IngestOutcome(error=error)
+    return IngestOutcome(error=error, kind=info.kind, sha256=info.sha256, size=info.size)
 
 
 def ingest_one(rt: Runtime, job_id: str, source_id: int, path: Path, spec: JobSpec) -> None:
@@ -101,7 +121,7 @@ def encode_job(rt: Runtime, job_id: str, progress: Progress) -> None:
     written_before = rt.cache.stats.bytes_written
     for start in range(0, len(units), step):
         chunk = units[start : start + step]
-        outcomes = rt.tokens.encode_units([(u.unit_id, u.image_key) for u in chunk])
+        outcomes = rt.tokens.encode_units([(u.unit_id, u.image_key, unit_bounds(u)) for u in chunk])
         hits += sum(o.cache_hit for o in outcomes if o.error is None)
         misses += sum(not o.cache_hit for o in outcomes if o.error is None)
         ok = [(o.unit_id, o.cache_key, o.cache_hit) for o in outcomes if o.error is None]
@@ -118,10 +138,24 @@ def encode_job(rt: Runtime, job_id: str, progress: Progress) -> None:
     )
 
 
+def unit_bounds(unit: repo.UnitTask) -> PixelBounds | None:
+    """The resize bounds the unit was counted with at ingest (its job's budget); None: the model's."""
+    return PixelBounds.of(unit.min_pixels, unit.max_pixels)
+
+
 def requests_for(units: list[repo.UnitTask], specs: dict[str, JobSpec]) -> list[RequestRef]:
     """Every unit asked every prompt of its job."""
     return [
-        RequestRef(u.job_id, u.unit_id, p, u.image_key, u.visual_tokens, bool(u.cache_hit), specs[u.job_id])
+        RequestRef(
+            u.job_id,
+            u.unit_id,
+            p,
+            u.image_key,
+            u.visual_tokens,
+            bool(u.cache_hit),
+            specs[u.job_id],
+            bounds=unit_bounds(u),
+        )  # fmt: skip
         for u in units
         for p in range(len(specs[u.job_id].prompts))
     ]

@@ -5,15 +5,18 @@ Built lazily, so `visbatch status` never loads a model and `visbatch ingest` nev
 
 from __future__ import annotations
 
+import threading
 from functools import cached_property
 from pathlib import Path
 
+from ingest.isolation import IsolatedSplitter
+from ingest.limits import Limits
 from storage.db import Database
 from storage.object_store import ObjectStore, open_object_store
 from storage.settings import Settings
 from storage.token_cache import TokenCache, open_token_cache
 from worker.encode import VisualTokenStore
-from worker.engines import Engine, make_engine
+from worker.engines import Engine, make_engine, resolve_engine_name
 from worker.generate import GenerateStage
 from worker.models import ModelAdapter, ModelRef, load_adapter
 
@@ -21,8 +24,12 @@ from worker.models import ModelAdapter, ModelRef, load_adapter
 class Runtime:
     def __init__(self, settings: Settings, model: str | None = None, db: Database | None = None) -> None:
         self.settings = settings
-        if db is not None:  # shared by the runtimes of a worker process
+        self._owns_db = db is None
+        if db is not None:  # shared by the runtimes of a worker process: not ours to close
             self.__dict__["db"] = db
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._splitters: list[IsolatedSplitter] = []
         name = model or settings.model
         # A local folder is recorded by its absolute path, so results say which model made them.
         self.model_name = str(Path(name).resolve()) if Path(name).is_dir() else name
@@ -50,6 +57,24 @@ class Runtime:
         )
 
     @cached_property
+    def limits(self) -> Limits:
+        return Limits.from_settings(self.settings)
+
+    def splitter(self) -> IsolatedSplitter:
+        """This thread's splitting process (started on first use, replaced when it dies)."""
+        splitter = getattr(self._local, "splitter", None)
+        if splitter is None:
+            splitter = IsolatedSplitter(
+                self.settings.object_store_url(),
+                endpoint_url=self.settings.s3_endpoint_url,
+                limits=self.limits,
+            )
+            self._local.splitter = splitter
+            with self._lock:
+                self._splitters.append(splitter)
+        return splitter
+
+    @cached_property
     def adapter(self) -> ModelAdapter:
         ref = ModelRef(
             source=self.model_name,
@@ -57,7 +82,9 @@ class Runtime:
             device=self.settings.device,
             dtype=self.settings.dtype,
         )
-        return load_adapter(ref)
+        adapter = load_adapter(ref)
+        adapter.vision_only = resolve_engine_name(self.settings.engine, adapter) != "transformers"
+        return adapter
 
     @cached_property
     def tokens(self) -> VisualTokenStore:
@@ -79,5 +106,7 @@ class Runtime:
         )
 
     def close(self) -> None:
-        if "db" in self.__dict__:
+        for splitter in self._splitters:
+            splitter.close()
+        if self._owns_db and "db" in self.__dict__:
             self.db.dispose()

@@ -30,10 +30,17 @@ from storage import fleet
 from storage import repository as repo
 from storage.db import Database
 from storage.models import FINISHED_JOB_STATUSES, UnitStatus
-from storage.object_store import download_s3_uri
+from storage.object_store import ObjectNotFound, download_s3_uri
 from storage.settings import Settings
 from worker.celery_app import app
-from worker.pipeline import NullProgress, generate_and_store, ingest_units, requests_for
+from worker.pipeline import (
+    IngestOutcome,
+    NullProgress,
+    generate_and_store,
+    ingest_units,
+    requests_for,
+    unit_bounds,
+)
 from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -75,7 +82,8 @@ def _db() -> Database:
 def runtime_for(model: str | None) -> Runtime:
     name = model or SETTINGS.model
     if name not in _RUNTIMES:
-        _RUNTIMES.clear()
+        for other in list(_RUNTIMES):
+            _RUNTIMES.pop(other).close()
         _RUNTIMES[name] = Runtime(SETTINGS, model=name, db=_db())
     return _RUNTIMES[name]
 
@@ -143,8 +151,12 @@ def ingest_source(self: Task, job_id: str, source_id: int, location: str) -> str
     if spec is None:
         return "skipped"
     rt = runtime_for(spec.model)
-    with fetched(rt, location) as path:
-        outcome = ingest_units(rt, job_id, source_id, path, spec)
+    try:
+        with fetched(rt, location) as path:
+            outcome = ingest_units(rt, job_id, source_id, path, spec)
+    except ObjectNotFound:
+        # Permanent: retrying will not make it appear. The source fails, the job goes on.
+        outcome = IngestOutcome(error=f"not found: {location.removeprefix('store:')}")
     # Send the encode work before releasing the source's hold: a crash in between only
     # resends (idempotent) work, never leaves units that nobody will encode.
     unit_ids = fleet.source_unit_ids(rt.db, source_id, UnitStatus.PENDING)
@@ -172,7 +184,7 @@ def encode_units(self: Task, job_id: str, unit_ids: list[int]) -> str:
         return "skipped"
     rt = runtime_for(spec.model)
     pending = fleet.units_by_ids(rt.db, unit_ids, UnitStatus.PENDING)
-    outcomes = rt.tokens.encode_units([(u.unit_id, u.image_key) for u in pending])
+    outcomes = rt.tokens.encode_units([(u.unit_id, u.image_key, unit_bounds(u)) for u in pending])
     ok = [(o.unit_id, o.cache_key, o.cache_hit) for o in outcomes if o.error is None]
     failed = [(o.unit_id, o.error) for o in outcomes if o.error is not None]
     if ok:

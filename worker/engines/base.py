@@ -18,6 +18,8 @@ class EngineRequest:
     top_p: float = 1.0
     seed: int = 0
     json_schema: dict[str, Any] | None = field(default=None, hash=False)
+    # Share of the image's visual tokens given to the LM (transformers engine; 1.0 = all).
+    prune_keep: float = 1.0
 
     @property
     def sampling_key(self) -> tuple[float, float, int]:
@@ -34,6 +36,8 @@ class Generation:
     error: str | None = None
     # Prompt tokens the engine's prefix cache served (None: the engine has no prefix cache).
     cached_tokens: int | None = None
+    # Visual tokens left out of the LM input by pruning (0: none, or an engine that cannot prune).
+    pruned_tokens: int = 0
 
     @classmethod
     def failed(cls, error: str) -> Generation:

@@ -32,7 +32,13 @@ class TransformersEngine:
     def _generate_group(self, requests: list[EngineRequest]) -> list[Generation]:
         adapter = self.adapter
         model = adapter.model
-        inputs = adapter.generation_inputs([r.prompt_ids for r in requests], [r.visual for r in requests])
+        prompts, visuals = [r.prompt_ids for r in requests], [r.visual for r in requests]
+        keeps = [r.prune_keep for r in requests]
+        pruned = [0] * len(requests)
+        if any(keep < 1.0 for keep in keeps):  # kept tokens keep their positions: worker.pruning
+            inputs, pruned = adapter.pruned_generation_inputs(prompts, visuals, keeps)
+        else:
+            inputs = adapter.generation_inputs(prompts, visuals)
         first = requests[0]
         processors = LogitsProcessorList()
         if any(r.json_schema is not None for r in requests):
@@ -55,10 +61,11 @@ class TransformersEngine:
         )
         width = inputs["input_ids"].shape[1]
         return [
-            self._decode(output[row, width:].tolist(), r.max_new_tokens) for row, r in enumerate(requests)
+            self._decode(output[row, width:].tolist(), r.max_new_tokens, pruned[row])
+            for row, r in enumerate(requests)
         ]
 
-    def _decode(self, new_ids: list[int], max_new_tokens: int) -> Generation:
+    def _decode(self, new_ids: list[int], max_new_tokens: int, pruned_tokens: int = 0) -> Generation:
         eos = set(self.adapter.eos_token_ids)
         new_ids = new_ids[:max_new_tokens]
         finish = "length"
@@ -67,4 +74,4 @@ class TransformersEngine:
                 new_ids, finish = new_ids[:pos], "stop"
                 break
         text = self.adapter.tokenizer.decode(new_ids, skip_special_tokens=True)
-        return Generation(token_ids=new_ids, text=text, finish_reason=finish)
+        return Generation(token_ids=new_ids, text=text, finish_reason=finish, pruned_tokens=pruned_tokens)

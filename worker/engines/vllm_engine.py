@@ -8,6 +8,12 @@ vLLM documents that a malformed embedding can crash its engine process, and a de
 fails every later request of the worker. So every request is checked against the model here
 (shape, grid, dtype, hidden size, finiteness, prompt length) before anything reaches vLLM; a
 bad one becomes an error on that request alone (`Generation.error`), its batch-mates run.
+
+Visual-token pruning (`budget.prune_keep` < 1) is NOT possible here: vLLM expands each image
+placeholder to grid_t*grid_h*grid_w/merge^2 tokens from `image_grid_thw` and computes the M-RoPE
+positions itself, so it cannot take fewer embeddings than the grid implies. Such requests run
+unpruned, with a warning (once per engine) and `pruned_tokens=0` in their results; lower the
+token count at the source instead (`--detail`, `--max-pixels`), which vLLM takes like any grid.
 """
 
 from __future__ import annotations
@@ -121,6 +127,7 @@ class VLLMEngine:
         self.adapter = adapter
         self.options = options or VLLMOptions()
         self.prefix_cache = PrefixCacheCounts()
+        self._warned_pruning = False
 
     # --- the LLM -------------------------------------------------------------------------
 
@@ -198,6 +205,14 @@ class VLLMEngine:
         params: list[Any] = []
         submitted: list[int] = []
         for i, request in enumerate(requests):
+            if request.prune_keep < 1.0 and not self._warned_pruning:
+                self._warned_pruning = True
+                log.warning(
+                    "visual-token pruning (prune_keep=%g) is ignored by the vLLM engine: vLLM sizes each "
+                    "image from its grid and cannot take fewer tokens; use --detail or --max-pixels to "
+                    "spend fewer tokens, or VISBATCH_ENGINE=transformers to prune",
+                    request.prune_keep,
+                )
             try:
                 self._check(request)
                 prompt = self.adapter.vllm_prompt(request.prompt_ids, request.visual, request.cache_key)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from ingest.budget import PixelBounds, TokenGeometry
 from worker.visual_tokens import VisualTokens
 
 
@@ -43,6 +44,8 @@ class ModelAdapter(ABC):
     """One model family. Construction is cheap (config and processor only); weights load lazily."""
 
     family: str = ""
+    # Set when another engine (vLLM) generates: encoding then loads the vision tower alone.
+    vision_only: bool = False
 
     def __init__(self, ref: ModelRef) -> None:
         self.ref = ref
@@ -52,31 +55,45 @@ class ModelAdapter(ABC):
     # --- token rule (no weights) -------------------------------------------------------
 
     @abstractmethod
-    def visual_tokens(self, width: int, height: int) -> int:
-        """Visual tokens this image becomes, by the processor's own resize rule."""
+    def visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
+        """Visual tokens this image becomes, by the processor's own resize rule (within `bounds`:
+        a job's budget; None = the processor's own bounds)."""
 
     @abstractmethod
-    def preprocessing(self) -> dict[str, Any]:
+    def preprocessing(self, bounds: PixelBounds | None = None) -> dict[str, Any]:
         """Every parameter that changes the pixels the tower sees (for the cache key)."""
+
+    @property
+    @abstractmethod
+    def token_geometry(self) -> TokenGeometry:
+        """Pixels per visual token and the processor's own resize bounds (for budgets)."""
 
     @property
     def fingerprint(self) -> str:
         """Model, revision, dtype and preprocessing: equal fingerprints give equal tokens."""
-        blob = json.dumps(
-            {
-                "family": self.family,
-                "model": self.ref.source,
-                "revision": self.ref.revision,
-                "dtype": str(self.dtype),
-                "preprocessing": self.preprocessing(),
-            },
-            sort_keys=True,
-            default=str,
-        )
-        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+        return self.fingerprint_for(None)
 
-    def cache_key(self, image_hash: str) -> str:
-        return hashlib.sha256(f"{image_hash}:{self.fingerprint}".encode()).hexdigest()
+    def fingerprint_for(self, bounds: PixelBounds | None) -> str:
+        """The fingerprint with a job's resize bounds; the model's own bounds give `fingerprint`."""
+        bounds = self.token_geometry.normalize(bounds)
+        cache = self.__dict__.setdefault("_fingerprints", {})
+        if bounds not in cache:
+            blob = json.dumps(
+                {
+                    "family": self.family,
+                    "model": self.ref.source,
+                    "revision": self.ref.revision,
+                    "dtype": str(self.dtype),
+                    "preprocessing": self.preprocessing(bounds),
+                },
+                sort_keys=True,
+                default=str,
+            )
+            cache[bounds] = hashlib.sha256(blob.encode()).hexdigest()[:32]
+        return cache[bounds]
+
+    def cache_key(self, image_hash: str, bounds: PixelBounds | None = None) -> str:
+        return hashlib.sha256(f"{image_hash}:{self.fingerprint_for(bounds)}".encode()).hexdigest()
 
     # --- weights -----------------------------------------------------------------------
 
@@ -98,8 +115,8 @@ class ModelAdapter(ABC):
         """The whole VLM, loaded on first use and kept for the life of the process."""
 
     @abstractmethod
-    def encode(self, images: list[Image.Image]) -> list[VisualTokens]:
-        """Run the vision tower over a batch of images."""
+    def encode(self, images: list[Image.Image], bounds: PixelBounds | None = None) -> list[VisualTokens]:
+        """Run the vision tower over a batch of images (resized within `bounds`)."""
 
     @abstractmethod
     def prompt_ids(self, prompt: str, num_visual_tokens: int) -> list[int]:
@@ -108,6 +125,13 @@ class ModelAdapter(ABC):
     @abstractmethod
     def generation_inputs(self, prompts: list[list[int]], visuals: list[VisualTokens]) -> dict[str, Any]:
         """Left-padded batch inputs for `model.generate` with cached embeddings injected."""
+
+    def pruned_generation_inputs(
+        self, prompts: list[list[int]], visuals: list[VisualTokens], keeps: list[float]
+    ) -> tuple[dict[str, Any], list[int]]:
+        """Like `generation_inputs`, each row's visual tokens pruned to the fraction `keeps[row]`
+        (kept tokens keep their positions); also returns the tokens pruned per row."""
+        raise NotImplementedError(f"{type(self).__name__} cannot prune visual tokens")
 
     def vllm_prompt(self, prompt_ids: list[int], visual: VisualTokens, uuid: str) -> dict[str, Any]:
         """The request as vLLM's `LLM.generate` takes it (a TokensPrompt dict), fed cached embeddings.

@@ -9,7 +9,9 @@ import torch
 from PIL import Image
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from ingest.budget import PixelBounds, TokenGeometry
 from worker.models.base import ModelAdapter
+from worker.models.vision_tower import load_vision_tower
 from worker.visual_tokens import VisualTokens
 
 # image == 1, video == 2 in the M-RoPE index (transformers' get_rope_index).
@@ -40,21 +42,35 @@ class Qwen2VLAdapter(ModelAdapter):
         factor = ip.patch_size * ip.merge_size
         return factor, ip.size["shortest_edge"], ip.size["longest_edge"]
 
-    def resized(self, width: int, height: int) -> tuple[int, int]:
+    @cached_property
+    def token_geometry(self) -> TokenGeometry:
+        factor, min_pixels, max_pixels = self._resize_rule
+        return TokenGeometry(token_pixels=factor * factor, default=PixelBounds(min_pixels, max_pixels))
+
+    def resized(self, width: int, height: int, bounds: PixelBounds | None = None) -> tuple[int, int]:
         """(width, height) the processor resizes to; ValueError for aspect ratios over 200."""
         from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-        factor, min_pixels, max_pixels = self._resize_rule
-        h, w = smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+        factor = self._resize_rule[0]
+        b = bounds or self.token_geometry.default
+        h, w = smart_resize(height, width, factor=factor, min_pixels=b.min_pixels, max_pixels=b.max_pixels)
         return w, h
 
-    def visual_tokens(self, width: int, height: int) -> int:
+    def visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
         factor = self._resize_rule[0]
-        w, h = self.resized(width, height)
+        w, h = self.resized(width, height, bounds)
         return (w // factor) * (h // factor)
 
-    def preprocessing(self) -> dict[str, Any]:
-        return self.processor.image_processor.to_dict()
+    def preprocessing(self, bounds: PixelBounds | None = None) -> dict[str, Any]:
+        config = self.processor.image_processor.to_dict()
+        bounds = self.token_geometry.normalize(bounds)
+        if bounds is not None:  # a job's budget: the same call-time size the encode passes
+            config["size"] = bounds.as_size()
+        return config
+
+    def _size_kwargs(self, bounds: PixelBounds | None) -> dict[str, Any]:
+        bounds = self.token_geometry.normalize(bounds)
+        return {} if bounds is None else {"size": bounds.as_size()}
 
     # --- weights -----------------------------------------------------------------------
 
@@ -78,12 +94,36 @@ class Qwen2VLAdapter(ModelAdapter):
         model = cls.from_pretrained(self.ref.source, revision=self.ref.revision, dtype=self.dtype)
         return model.to(self.device).eval()
 
+    @cached_property
+    def vision_tower(self) -> torch.nn.Module:
+        """The whole model's tower when the model is (or will be) loaded for generation; else the
+        tower alone, so an encode worker beside vLLM holds no second copy of the LM."""
+        if not self.vision_only or "model" in self.__dict__:
+            return self.model.model.visual
+        import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as qwen25
+        import transformers.models.qwen2_vl.modeling_qwen2_vl as qwen2
+
+        tower_class = (
+            qwen2.Qwen2VisionTransformerPretrainedModel
+            if self.family == "qwen2_vl"
+            else qwen25.Qwen2_5_VisionTransformerPretrainedModel
+        )
+        return load_vision_tower(
+            tower_class,
+            self.config.vision_config,
+            self.ref.source,
+            self.ref.revision,
+            self.dtype,
+            self.device,
+        )
+
     @torch.inference_mode()
-    def encode(self, images: list[Image.Image]) -> list[VisualTokens]:
-        inputs = self.processor.image_processor(images=images, return_tensors="pt")
+    def encode(self, images: list[Image.Image], bounds: PixelBounds | None = None) -> list[VisualTokens]:
+        processor = self.processor.image_processor
+        inputs = processor(images=images, return_tensors="pt", **self._size_kwargs(bounds))
         pixels = inputs["pixel_values"].to(self.device, self.dtype)
         grid = inputs["image_grid_thw"].to(self.device)
-        merged = self.model.model.visual(pixels, grid_thw=grid).pooler_output
+        merged = self.vision_tower(pixels, grid_thw=grid).pooler_output
         sizes = (grid.prod(-1) // self.merge_size**2).tolist()
         return [
             VisualTokens(
@@ -127,6 +167,21 @@ class Qwen2VLAdapter(ModelAdapter):
             # transformers puts these at the image-token positions instead of running the tower.
             "mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=embeds)},
         }
+
+    def pruned_generation_inputs(
+        self, prompts: list[list[int]], visuals: list[VisualTokens], keeps: list[float]
+    ) -> tuple[dict[str, Any], list[int]]:
+        from worker.pruning import prune_inputs
+
+        inputs, pruned, _ = prune_inputs(
+            self.model,
+            self.generation_inputs(prompts, visuals),
+            visuals,
+            keeps,
+            image_token_id=self.image_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+        return inputs, pruned
 
     def collapse_image_placeholders(self, prompt_ids: list[int], num_visual_tokens: int) -> list[int]:
         """Our prompt with its run of `<|image_pad|>` ids collapsed back to ONE id.

@@ -1,0 +1,86 @@
+"""The process that splits sources: `python -m ingest.child`, driven by ingest.isolation.
+
+PDF and video parsers are large C libraries fed untrusted bytes; here a crash, a runaway
+allocation or an endless loop costs this process only, and the worker that drives it records
+a clear error on the source and goes on. Requests and replies are JSON lines (no pickle):
+
+  request:  {"path", "options", "limits", "store_url", "endpoint_url"}
+  replies:  {"source": {kind, sha256, size}}, then {"unit": {...}} | {"failure": {...}} ...,
+            then {"done": true}; or {"source_error": "..."} at any point
+
+Detection runs here too: it hands the bytes to FFmpeg, which is as exposed as any decoder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from functools import cache
+from pathlib import Path
+from typing import Any, TextIO
+
+from ingest.detect import detect_kind
+from ingest.frames import frame_signature
+from ingest.limits import Limits
+from ingest.spec import IngestOptions
+from ingest.split import split_source
+from ingest.stage import file_sha256, store_image
+from ingest.units import SourceError, UnitFailure
+from storage.object_store import ObjectStore, open_object_store
+
+
+@cache
+def _store(url: str, endpoint_url: str | None) -> ObjectStore:
+    return open_object_store(url, endpoint_url=endpoint_url)
+
+
+def _split(request: dict[str, Any], out: TextIO) -> None:
+    limits = Limits(**request["limits"])
+    options = IngestOptions(**request["options"])
+    store = _store(request["store_url"], request.get("endpoint_url"))
+    path = Path(request["path"])
+    try:
+        kind = detect_kind(path)
+        sha256, size = file_sha256(path)
+        out.write(json.dumps({"source": {"kind": kind, "sha256": sha256, "size": size}}) + "\n")
+        for item in split_source(path, kind, options, limits):
+            if isinstance(item, UnitFailure):
+                reply = {
+                    "failure": {"index": item.index, "message": item.message, "timestamp": item.timestamp}
+                }
+            else:
+                key = store_image(store, item.image)
+                width, height = item.image.size
+                unit = {"index": item.index, "width": width, "height": height, "image_key": key,
+                        "timestamp": item.timestamp, "text": item.text}  # fmt: skip
+                if kind == "video":  # redundant-frame skipping needs the pixels, which only we have
+                    unit["signature"] = frame_signature(item.image)
+                reply = {"unit": unit}
+            out.write(json.dumps(reply) + "\n")
+        out.write(json.dumps({"done": True}) + "\n")
+    except SourceError as exc:
+        out.write(json.dumps({"source_error": str(exc)}) + "\n")
+    except MemoryError:
+        out.write(
+            json.dumps({"source_error": f"out of memory (over {limits.memory_bytes >> 20} MiB)"}) + "\n"
+        )
+    except Exception as exc:  # a parser bug on a hostile file: that source fails, the process goes on
+        out.write(json.dumps({"source_error": f"{type(exc).__name__}: {exc}"}) + "\n")
+    out.flush()
+
+
+def main() -> None:
+    memory = int(os.environ.get("VISBATCH_CHILD_MEMORY_BYTES", Limits().memory_bytes))
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    # Replies get the real stdout; anything a library prints goes to stderr instead.
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    for line in sys.stdin:
+        if line.strip():
+            _split(json.loads(line), out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Splitting sources in a child process, with a deadline per page or frame.
+
+A hostile file must not crash or hang the worker: the child (ingest.child) renders, stores
+and reports each unit; if it dies, or stays silent longer than the unit timeout, it is killed,
+the source fails with a clear message, and the next source gets a fresh child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ingest.limits import Limits
+from ingest.spec import IngestOptions
+from ingest.units import SourceError, SourceKind, UnitFailure
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    kind: SourceKind
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class StoredUnit:
+    """A page or frame the child rendered and stored in the object store."""
+
+    index: int
+    width: int
+    height: int
+    image_key: str
+    timestamp: float | None = None
+    text: str | None = None
+    signature: str | None = None  # video frames: 32x32 RGB thumbnail (ingest.frames), for skipping
+
+
+class IsolatedSplitter:
+    """Drives one child process; not thread-safe (use one per thread)."""
+
+    def __init__(
+        self, store_url: str, *, endpoint_url: str | None = None, limits: Limits | None = None
+    ) -> None:
+        self.store_url = store_url
+        self.endpoint_url = endpoint_url
+        self.limits = limits or Limits()
+        self._proc: subprocess.Popen | None = None
+        self._buffer = b""
+
+    def _child(self) -> subprocess.Popen:
+        if self._proc is None or self._proc.poll() is not None:
+            env = {**os.environ, "VISBATCH_CHILD_MEMORY_BYTES": str(self.limits.memory_bytes)}
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "ingest.child"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+                bufsize=0,
+            )
+            self._buffer = b""
+        return self._proc
+
+    def split(self, path: Path, options: IngestOptions) -> Iterator[SourceInfo | StoredUnit | UnitFailure]:
+        """The source's kind, hash and size first, then its units as the child reports them.
+
+        Raises SourceError when the source (or the child) fails; units reported before stay valid.
+        """
+        proc = self._child()
+        request = {
+            "path": str(path),
+            "options": options.model_dump(mode="json"),
+            "limits": asdict(self.limits),
+            "store_url": self.store_url,
+            "endpoint_url": self.endpoint_url,
+        }
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write(json.dumps(request).encode() + b"\n")
+        except BrokenPipeError:
+            self.close()
+            raise SourceError("the ingest process died before starting this source") from None
+        done = 0
+        with selectors.DefaultSelector() as selector:
+            selector.register(proc.stdout.fileno(), selectors.EVENT_READ)
+            while True:
+                reply = self._next_reply(proc, selector, done)
+                if "source" in reply:
+                    yield SourceInfo(**reply["source"])
+                elif "unit" in reply:
+                    done += 1
+                    yield StoredUnit(**reply["unit"])
+                elif "failure" in reply:
+                    done += 1
+                    yield UnitFailure(**reply["failure"])
+                elif "source_error" in reply:
+                    raise SourceError(reply["source_error"])
+                else:
+                    return
+
+    def _next_reply(self, proc: subprocess.Popen, selector: selectors.BaseSelector, done: int) -> dict:
+        # Raw reads and our own line buffer: a buffered reader could hold a whole reply that
+        # select() then never reports, and we would time out on a healthy child.
+        deadline = time.monotonic() + self.limits.unit_timeout_s
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not selector.select(timeout=remaining):
+                self.close()
+                raise SourceError(
+                    f"stopped: no page or frame finished within {self.limits.unit_timeout_s:g} s "
+                    f"after {done} unit(s) (hostile or broken file?)"
+                )
+            chunk = os.read(proc.stdout.fileno(), 1 << 16)  # type: ignore[union-attr]
+            if not chunk:
+                code = proc.wait()
+                self.close()
+                reason = f"signal {-code}" if code < 0 else f"exit code {code}"
+                raise SourceError(
+                    f"the renderer crashed on this file ({reason}) after {done} unit(s); "
+                    f"memory is capped at {self.limits.memory_bytes >> 20} MiB"
+                )
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            for stream in (self._proc.stdin, self._proc.stdout):
+                if stream is not None:
+                    stream.close()
+            self._proc = None
+
+    def __enter__(self) -> IsolatedSplitter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

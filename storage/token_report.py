@@ -1,0 +1,79 @@
+"""Tokens a job spent and saved, counted from its unit and result rows (two aggregate queries + one).
+
+spent:  visual      tokens of the job's pages and frames (each encoded once, asked every prompt)
+        visual_to_lm  visual tokens the language model was given, over all requests (after pruning)
+        prompt / completion   text tokens in and out, over all requests
+saved:  detail          per page/frame: tokens at the model's own resize bounds minus tokens at
+                        the job's (detail preset, --max-pixels, token caps)
+        skipped_frames  per skipped frame: its tokens at the model's own bounds
+        cache_hits      vision-tower tokens not computed: units whose tokens came from the cache
+                        (another job, or an identical page or frame earlier in this job)
+        pruning         visual tokens left out of the LM input, over all requests
+without_budget = visual + detail + skipped_frames: what the pages and frames would have cost at
+the model's own bounds with every frame kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from sqlalchemy import Table, case, false, func, select, true
+from sqlalchemy.orm import Session
+
+from storage.models import Result, Unit, UnitStatus
+
+UNITS = cast(Table, Unit.__table__)
+RESULTS = cast(Table, Result.__table__)
+
+_SPENDING = (UnitStatus.PENDING.value, UnitStatus.ENCODED.value, UnitStatus.DONE.value)
+
+
+def token_report(session: Session, job_id: str) -> dict[str, Any]:
+    u = UNITS.c
+    spending = u.status.in_(_SPENDING)
+    skipped = u.status == UnitStatus.SKIPPED.value
+    visual = func.coalesce(u.visual_tokens, 0)
+    full = func.coalesce(u.full_tokens, u.visual_tokens, 0)
+    units_stmt = select(
+        func.coalesce(func.sum(case((spending, visual), else_=0)), 0),
+        func.coalesce(func.sum(case((spending, full - visual), else_=0)), 0),
+        func.coalesce(func.sum(case((skipped, 1), else_=0)), 0),
+        func.coalesce(func.sum(case((skipped, full), else_=0)), 0),
+        func.coalesce(func.sum(case((u.cache_hit == true(), 1), else_=0)), 0),
+        func.coalesce(func.sum(case((u.cache_hit == true(), visual), else_=0)), 0),
+        func.coalesce(func.sum(case((u.cache_hit == false(), 1), else_=0)), 0),
+    ).where(u.job_id == job_id)
+    spent_visual, saved_detail, n_skipped, saved_skipped, hits, hit_tokens, misses = (
+        int(v) for v in session.execute(units_stmt).one()
+    )
+    # Units that share an image (and bounds) with another unit of the job: identical pages or
+    # frames, across sources or within one; all but the first of each are cache hits.
+    encoded = (
+        select(u.image_key, u.min_pixels, u.max_pixels, func.count().label("n"))
+        .where(u.job_id == job_id, u.cache_key.is_not(None))
+        .group_by(u.image_key, u.min_pixels, u.max_pixels)
+        .subquery()
+    )
+    distinct, with_key = session.execute(select(func.count(), func.coalesce(func.sum(encoded.c.n), 0))).one()
+    r = RESULTS.c
+    results_stmt = select(
+        func.coalesce(func.sum(r.visual_tokens - r.pruned_tokens), 0),
+        func.coalesce(func.sum(r.pruned_tokens), 0),
+        func.coalesce(func.sum(r.prompt_tokens), 0),
+        func.coalesce(func.sum(r.completion_tokens), 0),
+    ).where(r.job_id == job_id)
+    to_lm, pruned, prompt, completion = (int(v) for v in session.execute(results_stmt).one())
+    return {
+        "spent": {"visual": spent_visual, "visual_to_lm": to_lm, "prompt": prompt, "completion": completion},
+        "saved": {
+            "detail": saved_detail,
+            "skipped_frames": saved_skipped,
+            "cache_hits": hit_tokens,
+            "pruning": pruned,
+        },
+        "without_budget": spent_visual + saved_detail + saved_skipped,
+        "units_skipped": n_skipped,
+        "cache_hit_units": hits,
+        "cache_miss_units": misses,
+        "identical_images": int(with_key) - int(distinct),
+    }

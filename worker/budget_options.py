@@ -1,0 +1,85 @@
+"""The visual-token budget's command-line options, shared by `run`, `submit` and `plan`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ingest.budget import DEFAULT_REDUNDANCY_THRESHOLD, VisualBudget
+
+Detail = Annotated[
+    str | None,
+    typer.Option(
+        help="Visual detail: low, medium, high (at most 256/640/1280 tokens per image) or auto "
+        "(from the prompts: fine text -> high, coarse questions -> low, else medium). "
+        "Default: the model's own resize bounds."
+    ),
+]
+MinPixels = Annotated[int | None, typer.Option(help="Processor's min pixels per image (overrides --detail).")]
+MaxPixels = Annotated[int | None, typer.Option(help="Processor's max pixels per image (overrides --detail).")]
+MaxTokensPerFrame = Annotated[
+    int | None, typer.Option(help="At most this many visual tokens per page, image or frame.")
+]
+MaxTokensPerVideo = Annotated[
+    int | None, typer.Option(help="At most this many visual tokens per video (its frames get smaller).")
+]
+SkipFrames = Annotated[
+    bool,
+    typer.Option(
+        "--skip-redundant-frames/--keep-all-frames",
+        help="Video: skip frames that nearly repeat the last kept one (recorded as skipped).",
+    ),
+]
+RedundancyThreshold = Annotated[
+    float, typer.Option(help="Skip a frame below this mean difference (0-255) of 32x32 RGB thumbnails.")
+]
+PruneKeep = Annotated[
+    float,
+    typer.Option(help="transformers engine: keep this share of each image's visual tokens (1 = off)."),
+]
+
+
+def visual_budget(
+    detail: str | None = None,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    max_tokens_per_frame: int | None = None,
+    max_tokens_per_video: int | None = None,
+    skip_redundant_frames: bool = True,
+    redundancy_threshold: float = DEFAULT_REDUNDANCY_THRESHOLD,
+    prune_keep: float = 1.0,
+) -> VisualBudget:
+    """Raises ValueError (pydantic's) with a readable message for a bad value."""
+    return VisualBudget(
+        detail=detail,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        max_tokens_per_frame=max_tokens_per_frame,
+        max_tokens_per_video=max_tokens_per_video,
+        skip_redundant_frames=skip_redundant_frames,
+        redundancy_threshold=redundancy_threshold,
+        prune_keep=prune_keep,
+    )
+
+
+def token_lines(tokens: dict | None) -> list[tuple[str, str]]:
+    """`visbatch status` / `results`: a job's tokens spent and saved (storage.token_report), as rows."""
+    if not tokens:
+        return []
+    spent, saved = tokens["spent"], tokens["saved"]
+    return [
+        (
+            "tokens spent",
+            f"visual {spent['visual']:,} (to the LM, all prompts: {spent['visual_to_lm']:,}), "
+            f"prompt {spent['prompt']:,}, completion {spent['completion']:,}",
+        ),
+        (
+            "tokens saved",
+            f"detail {saved['detail']:,}, skipped frames {saved['skipped_frames']:,} "
+            f"({tokens['units_skipped']} frames), cache hits {saved['cache_hits']:,} "
+            f"({tokens['cache_hit_units']} units, {tokens['identical_images']} identical images), "
+            f"pruning {saved['pruning']:,}",
+        ),
+        ("visual tokens without budget", f"{tokens['without_budget']:,}"),
+    ]
