@@ -7,7 +7,7 @@ MODEL   ?= Qwen/Qwen2-VL-2B-Instruct
 PROMPT  ?= What is on this page or frame? Answer in one sentence.
 TINY    := .visbatch/tiny-model
 
-.PHONY: install run test test-vllm install-vllm lint format clean examples
+.PHONY: install run test test-vllm install-vllm lint format clean examples bench bench-quick install-bench
 
 install: $(VENV)/.installed
 
@@ -80,6 +80,25 @@ format: install
 
 examples: install
 	$(PY) examples/make_examples.py examples
+
+# --- benchmarks (bench/): figures to bench/results/*.json, chart and table (see README) -------------
+# `make bench` runs them all (~25 min on 2 cores); `make bench QUICK=1` or `make bench-quick`
+# runs the --quick mode (under 5 min) into bench/results/quick/. pdftoppm and ffmpeg are the
+# baselines: installed here when missing (apt-get, as root); without them those arms are skipped.
+BENCH_FLAGS := $(if $(QUICK),--quick,)
+
+bench: install-bench
+	$(PY) -m bench $(BENCH_FLAGS)
+
+bench-quick:
+	$(MAKE) bench QUICK=1
+
+install-bench: $(VENV)/.bench-installed
+	@bash bench/install_baselines.sh
+
+$(VENV)/.bench-installed: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install -q -e '.[dev,bench]'
+	touch $@
 
 clean:
 	rm -rf .visbatch .pytest_cache

@@ -1,0 +1,158 @@
+"""Q4. Packing by token count against fixed-size batches in arrival order.
+
+The same requests go through the same GenerateStage and TransformersEngine twice: once as
+`GenerateStage.plan` packs them (`pack_by_tokens`), once in fixed-size batches in the order
+they arrived. The fixed size is the packed plan's mean batch size, so both arms run about the
+same number of batches. Requests mix page and frame sizes (A4 and landscape pages rendered at
+644 px, 640x360 and 320x240 frames) and two prompts, shuffled as they arrive in the fleet from
+many jobs at once. Visual tokens are random embeddings of the exact shape each image gets (the
+tower is not what is measured here). The model is the ~100M-parameter random Qwen2-VL of
+bench/models.py, so compute dominates on a CPU as it does on a GPU.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from bench.common import Check, arguments, bars, interleaved, median, paired_ratio, rounded, write_result
+from bench.embedded import quiet
+from bench.models import bench_model, parameter_count
+from ingest.spec import JobSpec, Sampling
+from worker.engines.transformers_engine import TransformersEngine
+from worker.generate import GenerateStage, RequestRef
+from worker.models import ModelRef, load_adapter
+from worker.packing import Batch, padding_waste
+from worker.visual_tokens import VisualTokens
+
+# (name, width, height, share of the images)
+SIZES = [
+    ("A4 page", 455, 644, 4),
+    ("landscape page", 644, 498, 2),
+    ("frame 640x360", 640, 360, 3),
+    ("frame 320x240", 320, 240, 3),
+]
+PROMPTS = ["Describe this image.", "List every number you can read, with its label, as a table."]
+NEW_TOKENS = 16
+
+
+class TokenTable:
+    """Stands in for the token cache (what GenerateStage asks of it): image key -> visual tokens."""
+
+    def __init__(self, tokens: dict[str, VisualTokens]) -> None:
+        self._tokens = tokens
+
+    def get(self, image_key: str, bounds=None) -> VisualTokens:
+        return self._tokens[image_key]
+
+    def cache_key(self, image_key: str, bounds=None) -> str:
+        return image_key
+
+
+def random_tokens(adapter, images: dict[str, tuple[int, int]]) -> TokenTable:
+    """Random embeddings of each image's exact token shape (the processor's resize rule)."""
+    gen = torch.Generator().manual_seed(0)
+    patch = adapter.processor.image_processor.patch_size
+    tokens = {}
+    for key, (width, height) in images.items():
+        w, h = adapter.resized(width, height)
+        grid = torch.tensor([[1, h // patch, w // patch]], dtype=torch.int64)
+        n = int(grid.prod()) // adapter.merge_size**2
+        tokens[key] = VisualTokens(torch.randn(n, adapter.hidden_size, generator=gen), grid)
+    return TokenTable(tokens)
+
+
+def make_requests(adapter, images: int) -> tuple[list[RequestRef], dict[str, tuple[int, int]]]:
+    spec = JobSpec(prompts=PROMPTS, sampling=Sampling(max_new_tokens=NEW_TOKENS))
+    weights = [s[3] for s in SIZES]
+    rng = random.Random(0)
+    sizes = {}
+    requests = []
+    for i in range(images):
+        name, width, height, _ = rng.choices(SIZES, weights)[0]
+        key = f"img-{i}-{name}"
+        sizes[key] = (width, height)
+        tokens = adapter.visual_tokens(width, height)
+        requests += [RequestRef("job", i, p, key, tokens, True, spec) for p in range(len(PROMPTS))]
+    rng.shuffle(requests)
+    return requests, sizes
+
+
+def fixed_batches(stage: GenerateStage, requests: list[RequestRef], size: int) -> list[Batch]:
+    """Arrival order, `size` at a time (PackItems built exactly as plan() builds them)."""
+    items = [item for r in requests for item in stage.plan([r])[0].items]
+    return [Batch(items[i : i + size]) for i in range(0, len(items), size)]
+
+
+def main() -> None:
+    args = arguments(__doc__, default_reps=3, quick_reps=2)
+    images = 4 if args.quick else 12
+    quiet()
+    folder = bench_model("lm100m")
+    adapter = load_adapter(ModelRef(str(folder), device="cpu"))
+    requests, sizes = make_requests(adapter, images)
+    stage = GenerateStage(
+        adapter,
+        TransformersEngine(adapter),
+        random_tokens(adapter, sizes),
+        token_budget=16384,
+        max_batch_size=16,
+        model_name="bench",
+    )
+    packed = stage.plan(requests)
+    size = max(1, round(len(requests) / len(packed)))
+    fixed = fixed_batches(stage, requests, size)
+    plans = {"packed by tokens": packed, f"fixed {size}, arrival order": fixed}
+    new_tokens: dict[str, list[int]] = {name: [] for name in plans}
+
+    def arm(name):
+        def go(_rep: int) -> None:
+            rows = [row for batch in plans[name] for _, row in stage.run_batch(batch)]
+            assert not any(row.error for row in rows), [row.error for row in rows if row.error]
+            new_tokens[name].append(sum(row.completion_tokens for row in rows))
+
+        return go
+
+    stage.run_batch(packed[0])  # warm-up (first-call allocations), untimed
+    seconds = interleaved({name: arm(name) for name in plans}, args.reps)
+    names = list(plans)
+    speedup = paired_ratio(seconds[names[1]], seconds[names[0]])
+    waste = {name: padding_waste(plans[name]) for name in names}
+    figures = {
+        "model_parameters_m": round(parameter_count(folder) / 1e6, 1),
+        "requests": len(requests),
+        "batches": {name: len(plans[name]) for name in names},
+        "batch_sizes": {name: [len(b.items) for b in plans[name]] for name in names},
+        "input_tokens_real": sum(b.real_input_tokens for b in packed),
+        "input_tokens_padded": {name: sum(b.padded_input_tokens for b in plans[name]) for name in names},
+        "padding_waste": {name: round(w, 4) for name, w in waste.items()},
+        "timings": seconds.rounded(),
+        "requests_per_s": {name: rounded(len(requests) / median(s)) for name, s in seconds.items()},
+        "new_tokens": new_tokens,
+        "speedup": rounded(speedup),
+    }
+    checks = [
+        Check("padding waste, packed", round(waste[names[0]] * 100, 2), "<=", 5.0, unit="%"),
+        Check(f"generate throughput, packed / fixed batches of {size}", rounded(speedup), ">=", 1.3),
+    ]
+    write_result(
+        "packing",
+        quick=args.quick,
+        question="Packing generate batches by token count",
+        baseline=f"fixed-size batches ({size}) in arrival order, same requests, same engine",
+        reps=args.reps,
+        checks=checks,
+        figures=figures,
+        chart=bars(
+            names,
+            [figures["requests_per_s"][n] for n in names],
+            "requests/s",
+            f"Q4 packing (waste {waste[names[0]]:.1%} vs {waste[names[1]]:.1%})",
+        ),
+        notes=[f"padding waste of the fixed-size arm: {waste[names[1]]:.1%}"],
+    )
+
+
+if __name__ == "__main__":
+    main()
