@@ -31,16 +31,7 @@ def _from_pixels(adapter, image: Image.Image) -> list[int]:
 
 def _through_cache(adapter, images: list[Image.Image]) -> list[VisualTokens]:
     # Round-trip through the serialized cache format, as the generate stage sees it.
-    return [
-        VisualTokens.from_bytes(
-            vt.to_bytes(adapter.fingerprint),
-            fingerprint=adapter.fingerprint,
-            hidden_size=adapter.hidden_size,
-            merge_size=adapter.merge_size,
-            dtype=adapter.dtype,
-        )
-        for vt in adapter.encode(images)
-    ]
+    return [adapter.decode_tokens(vt.to_bytes(adapter.fingerprint)) for vt in adapter.encode(images)]
 
 
 def _requests(adapter, visuals: list[VisualTokens]) -> list[EngineRequest]:

@@ -44,13 +44,7 @@ def test_bad_entry_is_dropped_and_reencoded(tokens, tiny_adapter, damage):
     [key] = _image_keys(tokens, 1)
     tokens.encode_units([(1, key)])
     cache_key = tokens.cache_key(key)
-    good = VisualTokens.from_bytes(
-        tokens.cache.get(cache_key),
-        fingerprint=tiny_adapter.fingerprint,
-        hidden_size=tiny_adapter.hidden_size,
-        merge_size=tiny_adapter.merge_size,
-        dtype=tiny_adapter.dtype,
-    )
+    good = tiny_adapter.decode_tokens(tokens.cache.get(cache_key))
     if damage == "truncate":
         bad = tokens.cache.get(cache_key)[:100]
     elif damage == "wrong_shape":

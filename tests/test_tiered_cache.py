@@ -19,6 +19,7 @@ from storage.token_cache import (
     open_token_cache,
 )
 from worker.encode import VisualTokenStore
+from worker.models.base import ModelAdapter
 from worker.visual_tokens import VisualTokens
 
 TTL = 3600
@@ -113,6 +114,7 @@ def test_entry_over_cap_stays_cold_only(
 def _token_store(cache: Any) -> VisualTokenStore:
     # lookup() only needs the adapter's fingerprint and shapes; no model is loaded.
     adapter = SimpleNamespace(fingerprint="fp-test", hidden_size=4, merge_size=2, dtype=torch.float32)
+    adapter.decode_tokens = lambda data, fp=None: ModelAdapter.decode_tokens(adapter, data, fp)
     return VisualTokenStore(adapter, cache, store=None)  # type: ignore[arg-type]
 
 

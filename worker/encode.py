@@ -63,13 +63,7 @@ class VisualTokenStore:
         if data is None:
             return None
         try:
-            return VisualTokens.from_bytes(
-                data,
-                fingerprint=self._fingerprint(bounds),
-                hidden_size=self.adapter.hidden_size,
-                merge_size=self.adapter.merge_size,
-                dtype=self.adapter.dtype,
-            )
+            return self.adapter.decode_tokens(data, self._fingerprint(bounds))
         except InvalidVisualTokens as exc:
             log.warning("dropping bad token-cache entry %s: %s", cache_key, exc)
             self.stats.corrupt_entries += 1

@@ -19,16 +19,7 @@ def random_image(width: int, height: int, seed: int) -> Image.Image:
 
 def encode(adapter, images: list[Image.Image]) -> list[VisualTokens]:
     """The tower, then a round trip through the cache's serialized form (what generate sees)."""
-    return [
-        VisualTokens.from_bytes(
-            vt.to_bytes(adapter.fingerprint),
-            fingerprint=adapter.fingerprint,
-            hidden_size=adapter.hidden_size,
-            merge_size=adapter.merge_size,
-            dtype=adapter.dtype,
-        )
-        for vt in adapter.encode(images)
-    ]
+    return [adapter.decode_tokens(vt.to_bytes(adapter.fingerprint)) for vt in adapter.encode(images)]
 
 
 def request(adapter, vt: VisualTokens, key: str, prompt: str = "Describe this image.", **kw) -> EngineRequest:

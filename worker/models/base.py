@@ -141,6 +141,16 @@ class ModelAdapter(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot build vLLM inputs")
 
+    def decode_tokens(self, data: bytes, fingerprint: str | None = None) -> VisualTokens:
+        """A serialized cache entry, checked against this model (InvalidVisualTokens otherwise)."""
+        return VisualTokens.from_bytes(
+            data,
+            fingerprint=fingerprint or self.fingerprint,
+            hidden_size=self.hidden_size,
+            merge_size=self.merge_size,
+            dtype=self.dtype,
+        )
+
     @property
     def eos_token_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id
