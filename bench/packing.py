@@ -56,7 +56,7 @@ def random_tokens(adapter, images: dict[str, tuple[int, int]]) -> TokenTable:
     patch = adapter.processor.image_processor.patch_size
     tokens = {}
     for key, (width, height) in images.items():
-        w, h = adapter.resized(width, height)
+        w, h = adapter.token_rule.resized(width, height)
         grid = torch.tensor([[1, h // patch, w // patch]], dtype=torch.int64)
         n = int(grid.prod()) // adapter.merge_size**2
         tokens[key] = VisualTokens(torch.randn(n, adapter.hidden_size, generator=gen), grid)

@@ -20,7 +20,7 @@ from ingest.frames import RedundantFrames, Skip
 from ingest.isolation import StoredUnit
 from ingest.stage import unit_rows
 from ingest.units import UnitFailure
-from storage.repository import UnitRow
+from storage.rows import UnitRow
 
 
 class TokenRule(Protocol):

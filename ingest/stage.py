@@ -18,7 +18,7 @@ from ingest.isolation import SourceInfo, StoredUnit
 from ingest.limits import Limits
 from ingest.units import SourceError, UnitFailure
 from storage.object_store import ObjectStore
-from storage.repository import UnitRow
+from storage.rows import UnitRow
 
 TokenCounter = Callable[[int, int], int]  # (width, height) -> visual tokens
 

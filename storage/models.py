@@ -141,6 +141,10 @@ def _counter() -> Mapped[int]:
     return mapped_column(Integer, nullable=False, default=0, server_default="0")
 
 
+def _seconds() -> Mapped[float]:
+    return mapped_column(Float, nullable=False, default=0.0, server_default="0")
+
+
 def _token_counter() -> Mapped[int]:
     # Token sums of a big job pass 2**31.
     return mapped_column(BigInteger, nullable=False, default=0, server_default="0")
@@ -172,6 +176,13 @@ class Job(Base):
     visual_tokens: Mapped[int] = _token_counter()
     prompt_tokens: Mapped[int] = _token_counter()
     completion_tokens: Mapped[int] = _token_counter()
+    # Streaming (migration 0004): when work began and the first result landed, and each stage's
+    # busy time summed over every process that worked on the job (wall time is finished - started).
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    first_result_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    ingest_seconds: Mapped[float] = _seconds()
+    encode_seconds: Mapped[float] = _seconds()
+    generate_seconds: Mapped[float] = _seconds()
 
 
 class Source(Base):
@@ -189,6 +200,8 @@ class Source(Base):
     )
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+    # Units before this index are stored (migration 0004): the cursor of range-by-range ingest.
+    next_unit: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
 
 
 class Unit(Base):
@@ -261,6 +274,8 @@ class Result(Base):
     completion_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     # Visual tokens left out of the LM input by pruning (visual_tokens counts the whole image).
     pruned_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    # Visual tokens merged into neighbours before the LM (migration 0004).
+    merged_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
     finish_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
     model: Mapped[str] = mapped_column(String(255), nullable=False)
     engine: Mapped[str] = mapped_column(String(64), nullable=False)

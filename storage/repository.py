@@ -57,6 +57,7 @@ from storage.models import (
     new_job_id,
     utcnow,
 )
+from storage.rows import ResultRow, UnitRow, UnitTask
 
 JOBS = cast(Table, Job.__table__)
 SOURCES = cast(Table, Source.__table__)
@@ -85,72 +86,6 @@ class JobNotFound(NotFound):
 
 class SourceNotFound(NotFound):
     pass
-
-
-# ---------------------------------------------------------------------------------------------
-# Row types
-
-
-@dataclass(frozen=True, slots=True)
-class UnitRow:
-    """One page or frame as ingest produced it."""
-
-    index: int
-    width: int | None
-    height: int | None
-    image_key: str | None
-    visual_tokens: int | None
-    timestamp: float | None = None
-    text: str | None = None
-    error: str | None = None
-    # The visual-token budget: resize bounds (None: the model's own), tokens at the model's own
-    # bounds, and for a skipped video frame why and which kept frame it repeats.
-    min_pixels: int | None = None
-    max_pixels: int | None = None
-    full_tokens: int | None = None
-    skip_reason: str | None = None
-    duplicate_of: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ResultRow:
-    """One generation: a unit answered for one prompt."""
-
-    unit_id: int
-    prompt_index: int
-    output: Any | None
-    text: str | None
-    error: str | None
-    prompt_tokens: int
-    visual_tokens: int
-    completion_tokens: int
-    finish_reason: str | None
-    model: str
-    engine: str
-    cache_hit: bool
-    latency_ms: float
-    pruned_tokens: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class UnitTask:
-    """What encode/generate need to (re)start work on a unit, without its text layer."""
-
-    unit_id: int
-    job_id: str
-    source_id: int
-    source_uri: str
-    kind: str | None
-    index: int
-    image_key: str | None
-    visual_tokens: int | None
-    width: int | None
-    height: int | None
-    cache_key: str | None
-    cache_hit: bool | None
-    timestamp: float | None
-    min_pixels: int | None = None
-    max_pixels: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -558,6 +493,7 @@ _RESULT_UPDATE_COLUMNS = (
     "cache_hit",
     "latency_ms",
     "pruned_tokens",
+    "merged_tokens",
     "updated_at",
 )
 
@@ -590,6 +526,7 @@ def upsert_results(db: Database, job_id: str, rows: Sequence[ResultRow]) -> int:
             "cache_hit": row.cache_hit,
             "latency_ms": row.latency_ms,
             "pruned_tokens": row.pruned_tokens,
+            "merged_tokens": row.merged_tokens,
             "created_at": now,
             "updated_at": now,
         }
@@ -831,6 +768,7 @@ _RESULT_COLUMNS = (
     RESULTS.c.cache_hit.label("cache_hit"),
     RESULTS.c.latency_ms.label("latency_ms"),
     RESULTS.c.pruned_tokens.label("pruned_tokens"),
+    RESULTS.c.merged_tokens.label("merged_tokens"),
 )
 
 

@@ -48,10 +48,11 @@ def _head() -> str:
 def test_single_head_and_packaged_folder() -> None:
     folder = migrations_folder()
     assert (folder / "env.py").is_file()
-    assert (folder / "versions" / "0001_initial.py").is_file()
-    assert (folder / "versions" / "0002_fleet.py").is_file()
-    assert (folder / "versions" / "0003_token_budget.py").is_file()
-    assert _head() == "0003"
+    files = sorted(p.name for p in (folder / "versions").glob("[0-9][0-9][0-9][0-9]_*.py"))
+    assert files[0] == "0001_initial.py"
+    # Numbered one after another, and the newest file is the single head.
+    assert [name[:4] for name in files] == [f"{i:04d}" for i in range(1, len(files) + 1)]
+    assert _head() == files[-1][:4]
 
 
 def test_upgrade_creates_all_tables(db_url: str) -> None:

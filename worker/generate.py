@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from ingest.budget import PixelBounds
 from ingest.spec import JobSpec
-from storage.repository import ResultRow
+from storage.rows import ResultRow
 from worker.encode import VisualTokenStore
 from worker.engines.base import Engine, EngineRequest, Generation
 from worker.models.base import ModelAdapter

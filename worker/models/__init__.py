@@ -1,42 +1,51 @@
-"""Model families visbatch supports, chosen by the `model_type` in the model's config."""
+"""Model families visbatch supports, chosen by the `model_type` in the model's config.
+
+The adapters import torch and transformers, so they are imported only when a model is loaded;
+the token rule (what ingest and the planner need) lives in ingest.token_rules, without either.
+"""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import importlib
+from typing import TYPE_CHECKING
 
-from worker.models.base import ModelAdapter, ModelRef
-from worker.models.qwen2_vl import Qwen2VLAdapter, Qwen25VLAdapter
+from ingest.token_rules import UnsupportedModel, read_json_file
 
-ADAPTERS: dict[str, type[ModelAdapter]] = {
-    "qwen2_vl": Qwen2VLAdapter,
-    "qwen2_5_vl": Qwen25VLAdapter,
+if TYPE_CHECKING:
+    from worker.models.base import ModelAdapter, ModelRef
+
+# model_type -> "module:class", imported on first use.
+ADAPTERS: dict[str, str] = {
+    "qwen2_vl": "worker.models.qwen2_vl:Qwen2VLAdapter",
+    "qwen2_5_vl": "worker.models.qwen2_vl:Qwen25VLAdapter",
 }
 
 
-class UnsupportedModel(ValueError):
-    pass
+def model_type(source: str, revision: str | None = None) -> str:
+    config = read_json_file(source, "config.json", revision) or {}
+    return str(config.get("model_type", ""))
 
 
-def _model_type(ref: ModelRef) -> str:
-    local = Path(ref.source) / "config.json"
-    if local.is_file():
-        return json.loads(local.read_text()).get("model_type", "")
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(ref.source, revision=ref.revision).model_type
+def adapter_class(family: str) -> type[ModelAdapter]:
+    try:
+        module, name = ADAPTERS[family].split(":")
+    except KeyError:
+        supported = ", ".join(sorted(ADAPTERS))
+        raise UnsupportedModel(f"model type {family!r} is not supported (supported: {supported})") from None
+    return getattr(importlib.import_module(module), name)
 
 
 def load_adapter(ref: ModelRef) -> ModelAdapter:
-    model_type = _model_type(ref)
-    try:
-        cls = ADAPTERS[model_type]
-    except KeyError:
-        supported = ", ".join(sorted(ADAPTERS))
-        raise UnsupportedModel(
-            f"model type {model_type!r} is not supported (supported: {supported})"
-        ) from None
-    return cls(ref)
+    return adapter_class(model_type(ref.source, ref.revision))(ref)
 
 
-__all__ = ["ADAPTERS", "ModelAdapter", "ModelRef", "UnsupportedModel", "load_adapter"]
+def __getattr__(name: str):
+    # ModelRef and ModelAdapter live beside torch; importing this package must not load it.
+    if name in ("ModelRef", "ModelAdapter"):
+        from worker.models import base
+
+        return getattr(base, name)
+    raise AttributeError(name)
+
+
+__all__ = ["ADAPTERS", "ModelAdapter", "ModelRef", "UnsupportedModel", "adapter_class", "load_adapter"]

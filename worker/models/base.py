@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 
 from ingest.budget import PixelBounds, TokenGeometry
+from ingest.token_rules import TokenRule, load_token_rule
 from worker.visual_tokens import VisualTokens
 
 
@@ -52,21 +53,25 @@ class ModelAdapter(ABC):
         self.device = ref.torch_device()
         self.dtype = ref.torch_dtype()
 
-    # --- token rule (no weights) -------------------------------------------------------
+    # --- token rule (no weights, no torch: ingest.token_rules) ---------------------------
 
-    @abstractmethod
+    @property
+    def token_rule(self) -> TokenRule:
+        return load_token_rule(self.ref.source, self.ref.revision)
+
     def visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
         """Visual tokens this image becomes, by the processor's own resize rule (within `bounds`:
         a job's budget; None = the processor's own bounds)."""
+        return self.token_rule.visual_tokens(width, height, bounds)
+
+    @property
+    def token_geometry(self) -> TokenGeometry:
+        """Pixels per visual token and the processor's own resize bounds (for budgets)."""
+        return self.token_rule.token_geometry
 
     @abstractmethod
     def preprocessing(self, bounds: PixelBounds | None = None) -> dict[str, Any]:
         """Every parameter that changes the pixels the tower sees (for the cache key)."""
-
-    @property
-    @abstractmethod
-    def token_geometry(self) -> TokenGeometry:
-        """Pixels per visual token and the processor's own resize bounds (for budgets)."""
 
     @property
     def fingerprint(self) -> str:

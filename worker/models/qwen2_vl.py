@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from ingest.budget import PixelBounds, TokenGeometry
+from ingest.budget import PixelBounds
 from worker.models.base import ModelAdapter
 from worker.models.vision_tower import load_vision_tower
 from worker.visual_tokens import VisualTokens
@@ -34,32 +34,7 @@ class Qwen2VLAdapter(ModelAdapter):
 
         return AutoConfig.from_pretrained(self.ref.source, revision=self.ref.revision)
 
-    # --- token rule --------------------------------------------------------------------
-
-    @cached_property
-    def _resize_rule(self) -> tuple[int, int, int]:
-        ip = self.processor.image_processor
-        factor = ip.patch_size * ip.merge_size
-        return factor, ip.size["shortest_edge"], ip.size["longest_edge"]
-
-    @cached_property
-    def token_geometry(self) -> TokenGeometry:
-        factor, min_pixels, max_pixels = self._resize_rule
-        return TokenGeometry(token_pixels=factor * factor, default=PixelBounds(min_pixels, max_pixels))
-
-    def resized(self, width: int, height: int, bounds: PixelBounds | None = None) -> tuple[int, int]:
-        """(width, height) the processor resizes to; ValueError for aspect ratios over 200."""
-        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
-
-        factor = self._resize_rule[0]
-        b = bounds or self.token_geometry.default
-        h, w = smart_resize(height, width, factor=factor, min_pixels=b.min_pixels, max_pixels=b.max_pixels)
-        return w, h
-
-    def visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
-        factor = self._resize_rule[0]
-        w, h = self.resized(width, height, bounds)
-        return (w // factor) * (h // factor)
+    # --- token rule: ingest.token_rules (ModelAdapter.visual_tokens) -----------------------
 
     def preprocessing(self, bounds: PixelBounds | None = None) -> dict[str, Any]:
         config = self.processor.image_processor.to_dict()
