@@ -555,6 +555,7 @@ def test_iter_results_order_and_streaming(db: Database) -> None:
         "cache_hit",
         "latency_ms",
         "pruned_tokens",
+        "merged_tokens",
     }
     video_row = [r for r in repo.iter_results(db, job_id) if r["source"] == "file:///z.mp4"][0]
     assert (video_row["kind"], video_row["timestamp"], video_row["width"]) == ("video", 0.0, 640)
