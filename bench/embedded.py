@@ -1,7 +1,8 @@
 """The embedded pipeline driven stage by stage, so each stage can be timed on its own.
 
-`run_staged` makes the same calls as `worker.pipeline.run_job`, in the same order, with a clock
-around each stage; `answers` reads a job's results back for comparing two runs.
+`run_staged` runs the stages of `worker.stages` one after another, each to its end, with a clock
+around each stage (the embedded run before it streamed); `answers` reads a job's results back
+for comparing two runs.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from typing import Any
 
 from ingest.spec import JobSpec
 from storage import repository as repo
+from storage.models import UnitStatus
 from storage.settings import Settings
-from worker.pipeline import NullProgress, encode_job, generate_job, ingest_job
+from worker.embedded import start_local_job
 from worker.runtime import Runtime
+from worker.stages.encode import encode_units
+from worker.stages.generate import GenerateLoop
+from worker.stages.ingest import ingest_source
 
 STAGES = ("ingest", "encode", "generate")
 
@@ -36,16 +41,27 @@ def runtime(home: Path, model: Path, **settings: Any) -> Runtime:
 
 
 def run_staged(rt: Runtime, paths: list[Path], spec: JobSpec, stages: tuple[str, ...] = STAGES):
-    """Run a job like run_job; returns (job id, {stage: seconds})."""
-    progress = NullProgress()
-    job_spec = spec.model_copy(update={"model": rt.model_name})
-    job_id = repo.create_job(rt.db, job_spec.model_dump(mode="json"), status="running")
+    """Run a job one stage after another, each to its end before the next starts (the embedded
+    run before streaming), with the same stage code; returns (job id, {stage: seconds})."""
+    job_id, sources = start_local_job(rt, paths, spec)
     seconds: dict[str, float] = {}
-    steps = {
-        "ingest": lambda: ingest_job(rt, job_id, paths, spec, progress),
-        "encode": lambda: encode_job(rt, job_id, progress),
-        "generate": lambda: generate_job(rt, job_id, spec, progress),
-    }
+
+    def ingest() -> None:
+        for s in sources:
+            ingest_source(rt, job_id, s.source_id, s.uri, Path(s.location), spec)
+
+    def encode() -> None:
+        units = repo.units_in_state(rt.db, job_id, UnitStatus.PENDING)
+        step = rt.settings.encode_batch_images
+        for start in range(0, len(units), step):
+            encode_units(rt, units[start : start + step])
+
+    def generate() -> None:
+        loop = GenerateLoop(rt)
+        loop.add([(u, spec) for u in repo.units_in_state(rt.db, job_id, UnitStatus.ENCODED)])
+        loop.run_until_idle()
+
+    steps = {"ingest": ingest, "encode": encode, "generate": generate}
     for stage in stages:
         started = time.perf_counter()
         steps[stage]()

@@ -39,10 +39,10 @@ from ingest.pdf import render_pdf_pages  # noqa: E402
 from ingest.spec import JobSpec, Sampling  # noqa: E402
 from ingest.units import RenderedImage  # noqa: E402
 from worker.engines.transformers_engine import TransformersEngine  # noqa: E402
-from worker.generate import GenerateStage, RequestRef  # noqa: E402
 from worker.models import ModelRef, load_adapter  # noqa: E402
 from worker.models.tiny import CHAT_TEMPLATE, build_tokenizer, tiny_config  # noqa: E402
 from worker.packing import padding_waste  # noqa: E402
+from worker.request_builder import GenerateStage, RequestRef  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE_7B = {

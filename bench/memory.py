@@ -2,7 +2,7 @@
 
 Two places where a long document could pile up memory, each measured over all its processes
 (psutil samples every 50 ms; getrusage's ru_maxrss cross-checks the main process's peak):
-  * the embedded ingest stage (`worker.pipeline.ingest_job`: the splitting child process renders,
+  * the embedded ingest stage (`worker.embedded.ingest_only`: the splitting child process renders,
     hashes, PNG-encodes and stores; the main process writes unit rows in chunks to SQLite), run
     in a fresh process per document;
   * a fleet ingest worker (`visbatch worker --queues ingest`, prefork pool), started fresh per
@@ -81,18 +81,18 @@ def embedded_child(pdf: Path, home: Path, model: Path) -> dict:
     from ingest.spec import JobSpec
     from storage import repository as repo
     from storage.settings import Settings
-    from worker.pipeline import NullProgress, ingest_job
+    from worker.embedded import ingest_only
     from worker.runtime import Runtime
 
     quiet()
     rt = Runtime(Settings(home=home, database_url=f"sqlite:///{home}/visbatch.db"), model=str(model))
-    rt.adapter.visual_tokens(448, 448)  # the token rule (processor) loaded: what every run has
+    rt.token_rule.visual_tokens(448, 448)  # the token rule loaded: what every run has
     spec = JobSpec(prompts=["p"])
-    job = repo.create_job(rt.db, spec.model_dump(mode="json"), status="running")
+    _ = rt.db
     before = psutil.Process().memory_info().rss
     with PeakSampler(os.getpid()) as sampler:
         started = time.perf_counter()
-        ingest_job(rt, job, [pdf], spec, NullProgress())
+        job = ingest_only(rt, [pdf], spec)
         seconds = time.perf_counter() - started
     units = repo.job_summary(rt.db, job)["units_total"]
     rt.close()

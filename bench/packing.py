@@ -21,9 +21,9 @@ from bench.embedded import quiet
 from bench.models import bench_model, parameter_count
 from ingest.spec import JobSpec, Sampling
 from worker.engines.transformers_engine import TransformersEngine
-from worker.generate import GenerateStage, RequestRef
 from worker.models import ModelRef, load_adapter
 from worker.packing import Batch, padding_waste
+from worker.request_builder import GenerateStage, RequestRef
 from worker.visual_tokens import VisualTokens
 
 # (name, width, height, share of the images)

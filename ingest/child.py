@@ -4,8 +4,8 @@ PDF and video parsers are large C libraries fed untrusted bytes; here a crash, a
 allocation or an endless loop costs this process only, and the worker that drives it records
 a clear error on the source and goes on. Requests and replies are JSON lines (no pickle):
 
-  request:  {"path", "options", "limits", "store_url", "endpoint_url"}
-  replies:  {"source": {kind, sha256, size}}, then {"unit": {...}} | {"failure": {...}} ...,
+  request:  {"path", "options", "limits", "store_url", "endpoint_url", "selection"}
+  replies:  {"source": {kind, sha256, size, units}}, then {"unit": {...}} | {"failure": {...}} ...,
             then {"done": true}; or {"source_error": "..."} at any point
 
 Detection runs here too: it hands the bytes to FFmpeg, which is as exposed as any decoder.
@@ -25,9 +25,9 @@ from ingest.detect import detect_kind
 from ingest.frames import frame_signature
 from ingest.limits import Limits
 from ingest.spec import IngestOptions
-from ingest.split import split_source
+from ingest.split import planned_units, split_source
 from ingest.stage import file_sha256, store_image
-from ingest.units import SourceError, UnitFailure
+from ingest.units import SourceError, UnitFailure, UnitSelection
 from storage.object_store import ObjectStore, open_object_store
 
 
@@ -41,11 +41,14 @@ def _split(request: dict[str, Any], out: TextIO) -> None:
     options = IngestOptions(**request["options"])
     store = _store(request["store_url"], request.get("endpoint_url"))
     path = Path(request["path"])
+    selection = UnitSelection.from_json(request.get("selection"))
     try:
         kind = detect_kind(path)
         sha256, size = file_sha256(path)
-        out.write(json.dumps({"source": {"kind": kind, "sha256": sha256, "size": size}}) + "\n")
-        for item in split_source(path, kind, options, limits):
+        units = planned_units(path, kind, options, limits)
+        source = {"kind": kind, "sha256": sha256, "size": size, "units": units}
+        out.write(json.dumps({"source": source}) + "\n")
+        for item in split_source(path, kind, options, limits, selection):
             if isinstance(item, UnitFailure):
                 reply = {
                     "failure": {"index": item.index, "message": item.message, "timestamp": item.timestamp}

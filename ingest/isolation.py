@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ingest.limits import Limits
 from ingest.spec import IngestOptions
-from ingest.units import SourceError, SourceKind, UnitFailure
+from ingest.units import SourceError, SourceKind, UnitFailure, UnitSelection
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class SourceInfo:
     kind: SourceKind
     sha256: str
     size: int
+    units: int | None = None  # a PDF's selected pages (before a UnitSelection); None for the rest
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,11 @@ class IsolatedSplitter:
             self._buffer = b""
         return self._proc
 
-    def split(self, path: Path, options: IngestOptions) -> Iterator[SourceInfo | StoredUnit | UnitFailure]:
-        """The source's kind, hash and size first, then its units as the child reports them.
+    def split(
+        self, path: Path, options: IngestOptions, selection: UnitSelection | None = None
+    ) -> Iterator[SourceInfo | StoredUnit | UnitFailure]:
+        """The source's kind, hash, size and unit count first, then its units (those `selection`
+        picks) as the child reports them.
 
         Raises SourceError when the source (or the child) fails; units reported before stay valid.
         """
@@ -79,6 +83,7 @@ class IsolatedSplitter:
             "limits": asdict(self.limits),
             "store_url": self.store_url,
             "endpoint_url": self.endpoint_url,
+            "selection": (selection or UnitSelection()).as_json(),
         }
         assert proc.stdin is not None and proc.stdout is not None
         try:

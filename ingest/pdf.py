@@ -10,7 +10,7 @@ from pathlib import Path
 import pymupdf
 from PIL import Image
 
-from ingest.units import RenderedImage, SourceError, UnitFailure
+from ingest.units import RenderedImage, SourceError, UnitFailure, UnitSelection
 
 DEFAULT_LONGEST_SIDE = 1288
 # One page render is width * height * 3 bytes; 50 MP is 150 MB. A page with an absurd
@@ -55,6 +55,25 @@ def parse_page_ranges(spec: str, page_count: int) -> list[int]:
     return sorted(chosen)
 
 
+def selected_pages(doc: pymupdf.Document, pages: str | None, max_pages: int | None) -> list[int]:
+    """0-based indexes of the pages a job asks for (``--pages``, else all), within the page limit."""
+    indices = parse_page_ranges(pages, doc.page_count) if pages is not None else list(range(doc.page_count))
+    if max_pages is not None and len(indices) > max_pages:
+        raise SourceError(
+            f"{len(indices)} pages selected, over the limit of {max_pages} "
+            "(choose a range with --pages, or raise VISBATCH_LIMIT_MAX_PDF_PAGES)"
+        )
+    return indices
+
+
+def count_selected_pages(path: Path, pages: str | None, max_pages: int | None) -> int:
+    doc = _open_pdf(Path(path))
+    try:
+        return len(selected_pages(doc, pages, max_pages))
+    finally:
+        doc.close()
+
+
 def render_pdf_pages(
     path: Path,
     *,
@@ -63,21 +82,20 @@ def render_pdf_pages(
     pages: str | None = None,
     max_pages: int | None = None,
     max_render_pixels: int = MAX_RENDER_PIXELS,
+    selection: UnitSelection | None = None,
 ) -> Iterator[RenderedImage | UnitFailure]:
     """Yield each selected page as RGB, its longest side ``longest_side`` px (or at ``dpi``).
 
     ``dpi`` wins when both are given. Page rotation (/Rotate) is applied. A page that fails
     yields a UnitFailure and the next page goes on; a document that cannot be opened at all
-    raises SourceError (on the first ``next()``, as this is a generator).
+    raises SourceError (on the first ``next()``, as this is a generator). ``selection`` narrows
+    the selected pages to a range (and leaves out pages already stored).
     """
     doc = _open_pdf(Path(path))
     try:
-        indices = parse_page_ranges(pages, doc.page_count) if pages is not None else range(doc.page_count)
-        if max_pages is not None and len(indices) > max_pages:
-            raise SourceError(
-                f"{len(indices)} pages selected, over the limit of {max_pages} "
-                "(choose a range with --pages, or raise VISBATCH_LIMIT_MAX_PDF_PAGES)"
-            )
+        indices = selected_pages(doc, pages, max_pages)
+        if selection is not None:
+            indices = selection.pick(indices)
         for index in indices:
             yield _render_page(doc, index, longest_side=longest_side, dpi=dpi, max_pixels=max_render_pixels)
     finally:

@@ -7,18 +7,23 @@ from pathlib import Path
 
 from ingest.images import load_image
 from ingest.limits import Limits
-from ingest.pdf import render_pdf_pages
+from ingest.pdf import count_selected_pages, render_pdf_pages
 from ingest.spec import IngestOptions
-from ingest.units import RenderedImage, SourceError, SourceKind, UnitFailure
+from ingest.units import RenderedImage, SourceError, SourceKind, UnitFailure, UnitSelection
 from ingest.video import sample_video_frames
 
 DEFAULT_LIMITS = Limits()
 
 
 def split_source(
-    path: Path, kind: SourceKind, options: IngestOptions, limits: Limits = DEFAULT_LIMITS
+    path: Path,
+    kind: SourceKind,
+    options: IngestOptions,
+    limits: Limits = DEFAULT_LIMITS,
+    selection: UnitSelection | None = None,
 ) -> Iterator[RenderedImage | UnitFailure]:
-    """Yield the units of ``path`` (of ``kind``, from ``ingest.detect.detect_kind``).
+    """Yield the units of ``path`` (of ``kind``, from ``ingest.detect.detect_kind``); for a PDF,
+    only the pages ``selection`` picks.
 
     Raises SourceError when the whole source is unreadable; per-unit problems are yielded
     as UnitFailure so the other pages or frames go on.
@@ -32,6 +37,7 @@ def split_source(
             pages=options.pages,
             max_pages=limits.max_pdf_pages,
             max_render_pixels=limits.max_render_pixels,
+            selection=selection,
         )
     elif kind == "video":
         yield from sample_video_frames(
@@ -45,3 +51,13 @@ def split_source(
         yield load_image(path, max_pixels=limits.max_image_pixels)
     else:
         raise SourceError(f"unsupported source kind {kind!r}")
+
+
+def planned_units(
+    path: Path, kind: SourceKind, options: IngestOptions, limits: Limits = DEFAULT_LIMITS
+) -> int | None:
+    """How many units a source has before any selection: a PDF's selected pages; None for the rest
+    (a video is split whole, an image is one unit)."""
+    if kind == "pdf":
+        return count_selected_pages(path, options.pages, limits.max_pdf_pages)
+    return None

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from PIL import Image
 
@@ -34,3 +35,31 @@ class UnitFailure:
     index: int
     message: str
     timestamp: float | None = None
+
+
+@dataclass(frozen=True)
+class UnitSelection:
+    """Which of a PDF's pages to produce: positions [first, first + limit) of its selected pages,
+    minus the page indexes in `skip` (already stored: a resumed job renders no page twice).
+
+    A fleet ingest task takes one range and hands the rest on, so no task outlives the broker's
+    redelivery timeout. Videos are decoded whole (a frame's redundancy check needs the frames
+    before it): the selection does not apply to them.
+    """
+
+    first: int = 0
+    limit: int | None = None
+    skip: frozenset[int] = field(default_factory=frozenset)
+
+    def pick(self, indexes: Sequence[int]) -> list[int]:
+        end = None if self.limit is None else self.first + self.limit
+        return [i for i in indexes[self.first : end] if i not in self.skip]
+
+    def as_json(self) -> dict[str, Any]:
+        return {"first": self.first, "limit": self.limit, "skip": sorted(self.skip)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> UnitSelection:
+        if not data:
+            return cls()
+        return cls(int(data.get("first", 0)), data.get("limit"), frozenset(data.get("skip") or ()))

@@ -44,9 +44,16 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="torch device: auto, cpu, cuda, cuda:1 ...")
     dtype: str = Field("auto", description="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.")
 
-    encode_batch_images: int = Field(8, description="Images per vision-tower call.")
-    token_budget: int = Field(16384, description="Max visual+prompt+new tokens in one generate batch.")
-    max_batch_size: int = Field(16, description="Max requests in one generate batch.")
+    encode_batch_images: int = Field(8, ge=1, description="Images per vision-tower call.")
+    generate_window: int | None = Field(
+        None,
+        ge=1,
+        description="Requests kept in the engine (default: 256 for vLLM, 4 batches for transformers).",
+    )
+    token_budget: int = Field(
+        16384, ge=1, description="transformers engine: max visual+prompt+new tokens in one batch."
+    )
+    max_batch_size: int = Field(16, ge=1, description="transformers engine: max requests in one batch.")
 
     # --- vLLM engine (VISBATCH_VLLM_*); None leaves vLLM's own default ---------------------
     vllm_max_num_batched_tokens: int | None = Field(
@@ -73,18 +80,26 @@ class Settings(BaseSettings):
     limit_memory_bytes: int | None = Field(None, ge=1, description="Address space of the splitting process.")
     ingest_workers: int = Field(2, ge=1, le=64, description="Sources split in parallel (embedded run).")
 
-    # --- fleet (Celery on Redis) ---------------------------------------------------------
-    broker_url: str = Field("redis://127.0.0.1:6379/0", description="Celery broker (never evicting).")
-    broker_prefix: str = Field("", description="Prefix for every broker key (several fleets on one Redis).")
-    task_time_limit: int = Field(3600, ge=1, description="Hard time limit of one task, seconds.")
+    # --- fleet (Celery on RabbitMQ or Redis) ------------------------------------------------
+    broker_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Celery broker: amqp://... (RabbitMQ, recommended) or redis://... (never evicting).",
+    )
+    broker_prefix: str = Field(
+        "", description="Prefix of every broker key (Redis) or queue name (RabbitMQ): several fleets on one."
+    )
+    # Tasks are kept short (ingest by page range, generate by unit) so that a dead worker's work
+    # is redone within minutes on Redis too, which only redelivers after the visibility timeout.
+    task_time_limit: int = Field(180, ge=1, description="Hard time limit of one task, seconds.")
     visibility_timeout: int = Field(
-        7200, ge=1, description="Seconds before Redis hands an unacked task to another worker (> time limit)."
+        240, ge=1, description="Seconds before Redis hands an unacked task to another worker (> time limit)."
+    )
+    ingest_range_units: int = Field(
+        128, ge=1, description="Pages of a PDF one fleet ingest task renders before handing the rest on."
     )
     unacked_restore_interval: int = Field(10, ge=1, description="Seconds between sweeps for abandoned tasks.")
     task_max_retries: int = Field(5, ge=0, description="Retries of a transient error before a unit fails.")
     encode_chunk_units: int = Field(16, ge=1, description="Units per encode task.")
-    generate_flush_every: int = Field(64, ge=1, description="Generate messages gathered before a batch runs.")
-    generate_flush_interval: float = Field(0.25, gt=0, description="Seconds a generate batch waits to fill.")
 
     @cached_property
     def resolved_home(self) -> Path:

@@ -11,7 +11,7 @@ from PIL import Image
 from ingest.stage import store_image
 from storage.object_store import LocalObjectStore
 from storage.token_cache import FolderTokenCache
-from worker.encode import VisualTokenStore
+from worker.token_store import VisualTokenStore
 from worker.visual_tokens import VisualTokens
 
 

@@ -16,7 +16,7 @@ from ingest.frames import RedundantFrames, frame_signature, signature_distance
 from ingest.spec import IngestOptions, JobSpec
 from storage import repository as repo
 from storage.models import Unit, UnitStatus
-from worker.pipeline import NullProgress, ingest_job
+from worker.embedded import ingest_only
 from worker.runtime import Runtime
 
 MOVING = (3.0, 5.0)  # seconds during which a red square crosses the picture
@@ -53,9 +53,7 @@ def _units(rt: Runtime, job_id: str) -> list[Unit]:
 def _ingest(settings_factory, path: Path, budget: VisualBudget) -> tuple[Runtime, str]:
     rt = Runtime(settings_factory())
     spec = JobSpec(prompts=["What happens?"], ingest=IngestOptions(fps=2.0), budget=budget)
-    job_id = repo.create_job(rt.db, spec.model_dump(mode="json"), status="running")
-    ingest_job(rt, job_id, [path], spec, NullProgress())
-    return rt, job_id
+    return rt, ingest_only(rt, [path], spec)
 
 
 @pytest.mark.slow
@@ -81,8 +79,8 @@ def test_static_frames_are_skipped_moving_ones_kept(settings_factory, tmp_path):
         tokens = repo.job_summary(rt.db, job_id)["tokens"]
         assert tokens["units_skipped"] == len(skipped)
         assert tokens["saved"]["skipped_frames"] == 99 * len(skipped)
-        assert repo.units_to_encode(rt.db, job_id) and all(
-            u.timestamp in kept for u in repo.units_to_encode(rt.db, job_id)
+        assert repo.units_in_state(rt.db, job_id, UnitStatus.PENDING) and all(
+            u.timestamp in kept for u in repo.units_in_state(rt.db, job_id, UnitStatus.PENDING)
         )
     finally:
         rt.close()

@@ -14,7 +14,7 @@ from ingest.spec import IngestOptions, JobSpec, Sampling
 from storage import repository as repo
 from tests.media import write_pdf, write_video
 from worker.cli import app
-from worker.pipeline import run_job
+from worker.embedded import run_job
 from worker.planner import Throughput, dtype_bytes, kv_shape_from_config, load_plan_model, plan_job
 from worker.runtime import Runtime
 

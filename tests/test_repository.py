@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 from sqlalchemy import event, func, select
 
+import storage.jobs
 from storage import repository as repo
 from storage.db import Database
-from storage.models import Job, Result, Source, Unit
+from storage.models import Job, Result, Source, Unit, UnitStatus
 from storage.repository import JobNotFound, ResultRow, SourceNotFound, UnitRow
 
 SPEC = {"prompts": ["describe", "extract"], "json_schema": None, "sampling": {"max_new_tokens": 8}}
@@ -52,17 +53,18 @@ def result(unit_id: int, prompt: int = 0, *, error: str | None = None, text: str
 
 
 def job_with_units(db: Database, n: int = 3, uri: str = "file:///docs/a.pdf") -> tuple[str, int, list[int]]:
+    """A job with one source split into `n` units and completed (its hold released)."""
     job_id = repo.create_job(db, SPEC)
     source_id = repo.add_source(db, job_id, uri)
-    repo.mark_source_ingested(db, source_id, kind="pdf", sha256="a" * 64, size=1234)
     unit_ids = repo.add_units(db, job_id, source_id, unit_rows(n))
+    repo.complete_source(db, source_id, kind="pdf", sha256="a" * 64, size=1234)
     return job_id, source_id, unit_ids
 
 
 def run_to_end(db: Database, job_id: str, unit_ids: list[int], prompts: int = 1) -> None:
     repo.mark_units_encoded(db, [(unit_id, f"key-{unit_id}", False) for unit_id in unit_ids])
     repo.upsert_results(db, job_id, [result(u, p) for u in unit_ids for p in range(prompts)])
-    repo.finish_units(db, job_id, unit_ids)
+    repo.finish_units(db, unit_ids)
 
 
 # --- jobs ----------------------------------------------------------------------------------------
@@ -124,31 +126,54 @@ def test_add_source_is_idempotent(db: Database) -> None:
         repo.add_source(db, "f" * 32, "s3://bucket/a.pdf")
 
 
-def test_fail_source_counts_once_and_recovers(db: Database) -> None:
+def test_sources_hold_the_countdown_until_complete(db: Database) -> None:
+    job_id = repo.create_job(db, SPEC)
+    a = repo.add_source(db, job_id, "file:///a.pdf")
+    repo.add_source(db, job_id, "file:///a.pdf")  # the same uri again: no second hold
+    b = repo.add_source(db, job_id, "file:///b.pdf")
+    assert counters(db, job_id)["units_pending"] == 2
+    ids = repo.add_units(db, job_id, a, unit_rows(2))
+    assert repo.complete_source(db, a, kind="pdf", sha256="a" * 64, size=9) == {job_id: 3}
+    assert repo.complete_source(db, a) == {}  # a redelivered task: counts once
+    assert repo.finish_units(db, ids) == {job_id: 1}  # b still holds the job open
+    assert repo.complete_source(db, b, error="not a PDF") == {job_id: 0}
+    job = counters(db, job_id)
+    assert (job["sources_failed"], job["units_pending"]) == (1, 0)
+
+
+def test_complete_source_with_error_counts_once(db: Database) -> None:
     job_id = repo.create_job(db, SPEC)
     source_id = repo.add_source(db, job_id, "file:///broken.pdf")
-    repo.fail_source(db, source_id, "not a PDF", kind="pdf", size=3)
-    repo.fail_source(db, source_id, "still not a PDF")
+    assert repo.complete_source(db, source_id, error="not a PDF", kind="pdf", size=3) == {job_id: 0}
+    assert repo.complete_source(db, source_id, error="still not a PDF") == {}
     assert counters(db, job_id)["sources_failed"] == 1
     with db.session(readonly=True) as session:
         source = session.get(Source, source_id)
         assert source is not None
-        assert (source.status, source.error, source.kind, source.bytes) == (
-            "failed",
-            "still not a PDF",
-            "pdf",
-            3,
-        )
-    repo.mark_source_ingested(db, source_id, kind="pdf", sha256="b" * 64, size=99)
-    assert counters(db, job_id)["sources_failed"] == 0
-    with db.session(readonly=True) as session:
-        source = session.get(Source, source_id)
-        assert source is not None
-        assert (source.status, source.error, source.sha256, source.bytes) == ("ingested", None, "b" * 64, 99)
+        assert (source.status, source.error, source.kind, source.bytes) == ("failed", "not a PDF", "pdf", 3)
     with pytest.raises(SourceNotFound):
-        repo.fail_source(db, 10**9, "nope")
+        repo.complete_source(db, 10**9, error="nope")
+    other = repo.add_source(db, job_id, "file:///c.pdf")
     with pytest.raises(ValueError):
-        repo.mark_source_ingested(db, source_id, kind="spreadsheet", sha256="c" * 64, size=1)
+        repo.complete_source(db, other, kind="spreadsheet", sha256="c" * 64, size=1)
+
+
+def test_start_job_creates_sources_and_holds_in_one_go(db: Database) -> None:
+    started = repo.start_job(
+        db, SPEC, [("file:///a.pdf", None), ("file:///gone.pdf", "file not found"), ("file:///a.pdf", None)]
+    )
+    job = counters(db, started.job_id)
+    assert (job["status"], job["sources_total"], job["sources_failed"], job["units_pending"]) == (
+        "running",
+        2,
+        1,
+        1,
+    )
+    assert [uri for _, uri in started.sources] == ["file:///a.pdf"]
+    assert job["started_at"] is not None
+    empty = repo.start_job(db, SPEC, [])
+    summary = repo.job_summary(db, empty.job_id)
+    assert (summary["status"], summary["error"]) == ("failed", "no input files found")
 
 
 # --- units ---------------------------------------------------------------------------------------
@@ -160,10 +185,11 @@ def test_add_units_twice_is_idempotent(db: Database) -> None:
     rows = [*unit_rows(3), UnitRow(3, None, None, None, None, timestamp=3.0, error="decode error")]
     ids = repo.add_units(db, job_id, source_id, rows)
     after_first = counters(db, job_id)
+    # 3 pending units, plus the hold of the source (its ingest has not completed).
     assert (after_first["units_total"], after_first["units_failed"], after_first["units_pending"]) == (
         4,
         1,
-        3,
+        4,
     )
     assert after_first["visual_tokens"] == 300
 
@@ -187,7 +213,7 @@ def test_add_units_retry_fixes_failed_rows_and_keeps_encoded_ones(db: Database) 
     retry = [UnitRow(0, 1, 1, "other.png", 999), *unit_rows(1, start=1), *unit_rows(1, start=2, tokens=50)]
     assert repo.add_units(db, job_id, source_id, retry) == ids
     job = counters(db, job_id)
-    assert (job["units_total"], job["units_failed"], job["units_pending"]) == (3, 0, 3)
+    assert (job["units_total"], job["units_failed"], job["units_pending"]) == (3, 0, 4)  # + the hold
     assert job["visual_tokens"] == 250
     with db.session(readonly=True) as session:
         kept = session.get(Unit, ids[0])
@@ -214,8 +240,8 @@ def test_mark_units_encoded_counts_cache_once(db: Database) -> None:
     assert repo.mark_units_encoded(db, items) == 0
     job = counters(db, job_id)
     assert (job["cache_hits"], job["cache_misses"]) == (2, 1)
-    assert [task.unit_id for task in repo.units_to_encode(db, job_id)] == [ids[3]]
-    generate = repo.units_to_generate(db, job_id)
+    assert [task.unit_id for task in repo.units_in_state(db, job_id, UnitStatus.PENDING)] == [ids[3]]
+    generate = repo.units_in_state(db, job_id, UnitStatus.ENCODED)
     assert [(task.unit_id, task.cache_key) for task in generate] == [
         (ids[0], "k0"),
         (ids[1], "k1"),
@@ -224,14 +250,14 @@ def test_mark_units_encoded_counts_cache_once(db: Database) -> None:
     assert repo.mark_units_encoded(db, []) == 0
 
 
-def test_units_to_encode_and_generate_are_ordered(db: Database) -> None:
+def test_units_in_state_are_ordered(db: Database) -> None:
     job_id = repo.create_job(db, SPEC)
     b = repo.add_source(db, job_id, "file:///b.mp4")
     a = repo.add_source(db, job_id, "file:///a.pdf")
-    repo.mark_source_ingested(db, b, kind="video", sha256="b" * 64, size=1)
     b_ids = repo.add_units(db, job_id, b, list(reversed(unit_rows(3))))
+    repo.complete_source(db, b, kind="video", sha256="b" * 64, size=1)
     a_ids = repo.add_units(db, job_id, a, unit_rows(2))
-    tasks = repo.units_to_encode(db, job_id)
+    tasks = repo.units_in_state(db, job_id, UnitStatus.PENDING)
     assert [(t.source_uri, t.index) for t in tasks] == [
         ("file:///a.pdf", 0),
         ("file:///a.pdf", 1),
@@ -253,10 +279,10 @@ def test_units_to_encode_and_generate_are_ordered(db: Database) -> None:
         None,
         None,
     )
-    assert len(repo.units_to_encode(db, job_id, limit=2)) == 2
-    assert repo.units_to_generate(db, job_id) == []
+    assert len(repo.units_in_state(db, job_id, UnitStatus.PENDING, limit=2)) == 2
+    assert repo.units_in_state(db, job_id, UnitStatus.ENCODED) == []
     repo.mark_units_encoded(db, [(a_ids[1], "k", False)])
-    assert [t.unit_id for t in repo.units_to_generate(db, job_id)] == [a_ids[1]]
+    assert [t.unit_id for t in repo.units_in_state(db, job_id, UnitStatus.ENCODED)] == [a_ids[1]]
 
 
 def test_fail_units_counts_once_and_counts_down(db: Database) -> None:
@@ -270,14 +296,14 @@ def test_fail_units_counts_once_and_counts_down(db: Database) -> None:
         unit = session.get(Unit, ids[0])
         assert unit is not None and (unit.status, unit.error) == ("failed", "tower crashed")
     # finish_units no longer touches failed units.
-    assert repo.finish_units(db, job_id, ids) == 0
+    assert repo.finish_units(db, ids) == {job_id: 0}
     assert counters(db, job_id)["units_pending"] == 0
 
 
 def test_fail_units_spans_jobs_and_done_units(db: Database) -> None:
     job_a, _, ids_a = job_with_units(db, 2)
     job_b, _, ids_b = job_with_units(db, 2, uri="file:///b.pdf")
-    repo.finish_units(db, job_a, [ids_a[0]])
+    repo.finish_units(db, [ids_a[0]])
     left = repo.fail_units(db, [(ids_a[0], "late failure"), (ids_a[1], "x"), (ids_b[0], "y")])
     assert left == {job_a: 0, job_b: 1}
     assert counters(db, job_a)["units_failed"] == 2
@@ -289,21 +315,20 @@ def test_fail_units_spans_jobs_and_done_units(db: Database) -> None:
 
 def test_finish_units_reaches_zero_exactly_once(db: Database) -> None:
     job_id, _, ids = job_with_units(db, 10)
-    seen = [repo.finish_units(db, job_id, ids[i : i + 3]) for i in range(0, 10, 3)]
+    seen = [repo.finish_units(db, ids[i : i + 3])[job_id] for i in range(0, 10, 3)]
     assert seen == [7, 4, 1, 0]
     assert seen.count(0) == 1
     # A retried call changes nothing and does not count down again.
-    assert repo.finish_units(db, job_id, ids[:3]) == 0
+    assert repo.finish_units(db, ids[:3]) == {}
     assert counters(db, job_id)["units_pending"] == 0
-    with pytest.raises(JobNotFound):
-        repo.finish_units(db, "e" * 32, [])
+    assert repo.finish_units(db, []) == {}
 
 
-def test_finish_units_ignores_other_jobs_units(db: Database) -> None:
+def test_finish_units_counts_each_job_down(db: Database) -> None:
     job_a, _, ids_a = job_with_units(db, 2)
-    job_b, _, _ = job_with_units(db, 2, uri="file:///b.pdf")
-    assert repo.finish_units(db, job_b, ids_a) == 2
-    assert repo.finish_units(db, job_a, ids_a) == 0
+    job_b, _, ids_b = job_with_units(db, 2, uri="file:///b.pdf")
+    assert repo.finish_units(db, [ids_a[0], *ids_b]) == {job_a: 1, job_b: 0}
+    assert repo.finish_units(db, ids_a) == {job_a: 0}
 
 
 def test_concurrent_finishers_see_zero_once(db: Database) -> None:
@@ -314,7 +339,7 @@ def test_concurrent_finishers_see_zero_once(db: Database) -> None:
 
     def worker(mine: list[list[int]]) -> None:
         for chunk in mine:
-            left = repo.finish_units(db, job_id, chunk)
+            left = repo.finish_units(db, chunk)[job_id]
             with lock:
                 seen.append(left)
 
@@ -424,14 +449,14 @@ def test_close_job_partial_on_failed_result_or_source(db: Database) -> None:
     job_id, _, ids = job_with_units(db, 1)
     run_to_end(db, job_id, ids)
     broken = repo.add_source(db, job_id, "file:///broken.pdf")
-    repo.fail_source(db, broken, "encrypted")
+    repo.complete_source(db, broken, error="encrypted")
     assert repo.close_job(db, job_id) == "partial"
 
 
 def test_close_job_failed(db: Database) -> None:
     job_id, _, ids = job_with_units(db, 2)
     repo.upsert_results(db, job_id, [result(u, error="engine error") for u in ids])
-    repo.finish_units(db, job_id, ids)
+    repo.finish_units(db, ids)
     assert repo.close_job(db, job_id) == "failed"
     job = counters(db, job_id)
     assert job["error"] and "no successful result" in job["error"]
@@ -439,6 +464,7 @@ def test_close_job_failed(db: Database) -> None:
 
     empty = repo.create_job(db, SPEC)
     assert repo.close_job(db, empty) == "failed"
+    assert counters(db, empty)["error"] == "no input files found"
 
 
 def test_close_job_keeps_cancelled_and_repairs_counters(db: Database) -> None:
@@ -463,7 +489,7 @@ def test_close_job_keeps_cancelled_and_repairs_counters(db: Database) -> None:
 def test_job_summary_errors_and_counts(db: Database) -> None:
     job_id, source_id, ids = job_with_units(db, 3)
     broken = repo.add_source(db, job_id, "file:///broken.pdf")
-    repo.fail_source(db, broken, "not a PDF")
+    repo.complete_source(db, broken, error="not a PDF")
     repo.fail_units(db, [(ids[2], "decode failed")])
     repo.mark_units_encoded(db, [(ids[0], "k0", True), (ids[1], "k1", False)])
     repo.upsert_results(db, job_id, [result(ids[0]), result(ids[1], error="invalid JSON")])
@@ -484,7 +510,7 @@ def test_job_summary_errors_and_counts(db: Database) -> None:
     ]
     assert summary["errors_truncated"] is False
 
-    repo.finish_units(db, job_id, ids)
+    repo.finish_units(db, ids)
     repo.close_job(db, job_id)
     closed = repo.job_summary(db, job_id)
     assert closed["status"] == "partial" and closed["finished_at"] is not None
@@ -500,7 +526,7 @@ def test_job_summary_truncates_errors(db: Database) -> None:
 
 def test_job_lookup_by_prefix(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
     ids = iter(["abcdef0123456789abcdef0123456789", "abcdef9999999999999999999999999a"])
-    monkeypatch.setattr(repo, "new_job_id", lambda: next(ids))
+    monkeypatch.setattr(storage.jobs, "new_job_id", lambda: next(ids))
     first = repo.create_job(db, SPEC)
     second = repo.create_job(db, SPEC)
     assert repo.job_summary(db, "abcdef0")["id"] == first
@@ -522,8 +548,8 @@ def test_iter_results_order_and_streaming(db: Database) -> None:
     job_id = repo.create_job(db, SPEC)
     video = repo.add_source(db, job_id, "file:///z.mp4")
     pdf = repo.add_source(db, job_id, "file:///a.pdf")
-    repo.mark_source_ingested(db, video, kind="video", sha256="v" * 64, size=1)
     video_ids = repo.add_units(db, job_id, video, unit_rows(3))
+    repo.complete_source(db, video, kind="video", sha256="v" * 64, size=1)
     pdf_ids = repo.add_units(db, job_id, pdf, unit_rows(2))
     rows = [result(u, p) for u in reversed(video_ids + pdf_ids) for p in (1, 0)]
     repo.upsert_results(db, job_id, rows)

@@ -15,8 +15,8 @@ from storage.repository import (
     UnitRow,
     add_source,
     add_units,
+    complete_source,
     create_job,
-    mark_source_ingested,
     upsert_results,
 )
 
@@ -45,10 +45,10 @@ def _fill(db: Database) -> tuple[str, str]:
     """A job over a 3-page PDF and a 2-frame video; an unrelated job with a big total too."""
     job_id = create_job(db, JobSpec(prompts=PROMPTS))
     pdf = add_source(db, job_id, "s3://in/invoice.pdf")
-    mark_source_ingested(db, pdf, kind="pdf", sha256="a" * 64, size=100)
+    complete_source(db, pdf, kind="pdf", sha256="a" * 64, size=100)
     pages = add_units(db, job_id, pdf, [UnitRow(i, 800, 1000, f"images/p{i}.png", 64) for i in range(3)])
     video = add_source(db, job_id, "s3://in/clip.mp4")
-    mark_source_ingested(db, video, kind="video", sha256="b" * 64, size=100)
+    complete_source(db, video, kind="video", sha256="b" * 64, size=100)
     frames = add_units(
         db, job_id, video, [UnitRow(i, 640, 360, f"images/f{i}.png", 64, timestamp=i * 1.5) for i in range(2)]
     )
@@ -60,7 +60,7 @@ def _fill(db: Database) -> tuple[str, str]:
 
     other = create_job(db, JobSpec(prompts=["Other?"]))
     source = add_source(db, other, "s3://in/other.pdf")
-    mark_source_ingested(db, source, kind="pdf", sha256="c" * 64, size=1)
+    complete_source(db, source, kind="pdf", sha256="c" * 64, size=1)
     (unit,) = add_units(db, other, source, [UnitRow(0, 10, 10, "images/o.png", 4)])
     upsert_results(db, other, [_result(unit, 0, {"total": 5000})])
     return job_id, other

@@ -18,8 +18,8 @@ from storage.token_cache import (
     TieredTokenCache,
     open_token_cache,
 )
-from worker.encode import VisualTokenStore
 from worker.models.base import ModelAdapter
+from worker.token_store import VisualTokenStore
 from worker.visual_tokens import VisualTokens
 
 TTL = 3600

@@ -5,9 +5,14 @@ Settings that come from real incidents (see DESIGN.md):
   loss) goes back to the queue instead of being lost;
 - the Redis visibility timeout is above the hard time limit, or Redis would hand a task that
   is still running to a second worker (celery#5935);
-- prefetch 1, so a GPU worker never sits on tasks another worker could run; the generate
-  queue is the exception (its worker must hold a batch's worth of messages to pack them);
+- prefetch 1 per pool slot: a CPU worker holds only what its processes run, and a GPU worker's
+  thread pool holds exactly the window of units its engine works on (worker.tasks);
 - JSON serialization only: no pickle anywhere, tensors travel through the token cache.
+
+Brokers: RabbitMQ (recommended) hands an unacknowledged message to another worker as soon as its
+worker's connection drops; Redis only after the visibility timeout, so tasks are kept short (ingest
+by page range, generate by unit) and the timeout is minutes, not hours. `VISBATCH_BROKER_PREFIX`
+keeps several fleets apart on one broker: a key prefix on Redis, a queue-name prefix on RabbitMQ.
 """
 
 from __future__ import annotations
@@ -17,6 +22,20 @@ from celery import Celery
 from storage.settings import Settings
 
 QUEUES = ("ingest", "encode", "generate")
+TASKS = {
+    "ingest": "visbatch.ingest_source",
+    "encode": "visbatch.encode_units",
+    "generate": "visbatch.generate_units",
+}
+
+
+def queue_name(settings: Settings, stage: str) -> str:
+    """The broker queue of a stage (prefixed on RabbitMQ, where key prefixes do not exist)."""
+    return f"{settings.broker_prefix}{stage}" if is_amqp(settings.broker_url) else stage
+
+
+def is_amqp(url: str) -> bool:
+    return url.split("://", 1)[0] in ("amqp", "amqps", "pyamqp")
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -34,8 +53,11 @@ def make_celery(settings: Settings) -> Celery:
         "socket_connect_timeout": 10,
         "health_check_interval": 25,
     }
-    if settings.broker_prefix:
+    if settings.broker_prefix and not is_amqp(settings.broker_url):
         transport["global_keyprefix"] = settings.broker_prefix
+    if is_amqp(settings.broker_url):
+        # Redis-only options would be ignored; AMQP redelivers on a dropped connection instead.
+        transport = {"confirm_publish": True}
     app.conf.update(
         task_serializer="json",
         result_serializer="json",
@@ -51,12 +73,8 @@ def make_celery(settings: Settings) -> Celery:
         task_soft_time_limit=max(1, int(settings.task_time_limit * 0.9)),
         broker_transport_options=transport,
         broker_connection_retry_on_startup=True,
-        task_default_queue="ingest",
-        task_routes={
-            "visbatch.ingest_source": {"queue": "ingest"},
-            "visbatch.encode_units": {"queue": "encode"},
-            "visbatch.generate_units": {"queue": "generate"},
-        },
+        task_default_queue=queue_name(settings, "ingest"),
+        task_routes={task: {"queue": queue_name(settings, stage)} for stage, task in TASKS.items()},
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
     )

@@ -7,7 +7,9 @@ import csv
 import json
 import logging
 import os
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -44,6 +46,7 @@ out = Console()
 
 EXIT_PARTIAL = 1
 EXIT_FAILED = 3
+EXIT_INTERRUPTED = 130
 
 OFFLINE_HINT = (
     "If the model hub is unreachable, build the tiny offline model and use it:\n"
@@ -122,18 +125,73 @@ def _load_adapter(rt) -> None:
 
 
 class RichProgress:
+    """Progress bars on stderr: sources, then units as each stage gets through them (totals grow)."""
+
+    LABELS = {"sources": "sources", "units": "pages+frames", "encode": "encoded", "generate": "answered"}
+
     def __init__(self, progress: Progress) -> None:
         self.progress = progress
         self.tasks: dict[str, Any] = {}
 
-    def start(self, stage: str, total: int | None) -> None:
-        self.tasks[stage] = self.progress.add_task(stage, total=total)
-
-    def advance(self, stage: str, n: int = 1) -> None:
-        self.progress.advance(self.tasks[stage], n)
+    def update(self, stage: str, done: int, total: int | None = None) -> None:
+        if stage not in self.tasks:
+            self.tasks[stage] = self.progress.add_task(self.LABELS.get(stage, stage), total=total)
+        self.progress.update(self.tasks[stage], completed=done, total=total)
 
     def note(self, message: str) -> None:
         self.progress.console.print(message)
+
+
+_SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
+
+
+@contextlib.contextmanager
+def _stop_on_signals(run: Any) -> Iterator[None]:
+    """SIGINT and SIGTERM stop the run promptly (the job ends cancelled, its work kept); a second
+    signal exits at once."""
+    previous = {sig: signal.getsignal(sig) for sig in _SIGNAL_NAMES}
+
+    def handler(signum: int, _frame: Any) -> None:
+        if run.stop.is_set():
+            os._exit(128 + signum)
+        run.request_stop(f"interrupted by {_SIGNAL_NAMES[signal.Signals(signum)]}")
+
+    for sig in _SIGNAL_NAMES:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _run_embedded(rt: Any, start: Any) -> None:
+    """Run (or resume) a job in this process with progress bars; print its id on stdout before any
+    work starts, its summary on stderr at the end; exit with the job's status code."""
+    from storage import repository as repo
+    from worker.embedded import EmbeddedRun
+
+    columns = [TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    job: dict[str, str] = {}
+
+    def on_job(job_id: str) -> None:
+        job["id"] = job_id
+        print(job_id, flush=True)  # stdout: a script can always resume or inspect it
+
+    with Progress(*columns, console=console) as bars:
+        embedded = EmbeddedRun(rt, RichProgress(bars))
+        with _stop_on_signals(embedded):
+            start(embedded, on_job)
+    summary = repo.job_summary(rt.db, job["id"])
+    _print_summary(summary)
+    if embedded.stop_reason is not None:
+        console.print(
+            f"stopped: job {job['id']} cancelled ({embedded.stop_reason}); finished work is kept. "
+            f"Resume with: visbatch resume {job['id']}"
+        )
+        raise typer.Exit(EXIT_INTERRUPTED)
+    if summary["status"] != "succeeded":
+        raise typer.Exit(EXIT_PARTIAL if summary["status"] == "partial" else EXIT_FAILED)
 
 
 @app.command()
@@ -163,9 +221,8 @@ def run(
     redundancy_threshold: RedundancyThreshold = 3.0,
     prune_keep: PruneKeep = 1.0,
 ) -> None:
-    """Run a job in this process (embedded shape) and print its id. Exit 0 only if every unit succeeded."""
-    from worker.pipeline import run_job
-
+    """Run a job in this process (embedded shape); its id is printed first. Exit 0 only if every unit
+    succeeded."""
     spec = _job_spec(
         prompt,
         schema,
@@ -187,16 +244,28 @@ def run(
     )
     rt = _runtime(model)
     _load_adapter(rt)
-    columns = [TextColumn("{task.description:>9}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    with Progress(*columns, console=console) as bars:
-        job_id = run_job(rt, paths, spec, RichProgress(bars))
+    _run_embedded(rt, lambda embedded, on_job: embedded.run(paths, spec, on_job))
+
+
+@app.command()
+def resume(job: str) -> None:
+    """Continue a stopped job (cancelled, interrupted or failed) in place: no page rendered or image
+    encoded twice, only the missing answers generated."""
     from storage import repository as repo
 
-    summary = repo.job_summary(rt.db, job_id)
-    _print_summary(summary)
-    out.print(job_id)
-    if summary["status"] != "succeeded":
-        raise typer.Exit(EXIT_PARTIAL if summary["status"] == "partial" else EXIT_FAILED)
+    rt = _runtime(None)
+    try:
+        full_id = repo.resolve_job_id(rt.db, job)
+    except repo.JobNotFound as exc:
+        _fail(str(exc))
+        raise
+    state = repo.job_state(rt.db, full_id)
+    assert state is not None
+    if state[0] == "succeeded":
+        _fail(f"job {full_id} succeeded: nothing to resume")
+    rt = _runtime(state[1].get("model"))
+    _load_adapter(rt)
+    _run_embedded(rt, lambda embedded, on_job: embedded.resume(full_id, on_job))
 
 
 @app.command()
@@ -347,12 +416,19 @@ def worker(
     queues: Annotated[
         str, typer.Option(help="Comma-separated: ingest, encode, generate.")
     ] = "ingest,encode,generate",
-    concurrency: Annotated[int, typer.Option(help="Processes for the ingest (CPU) pool.")] = 1,
+    concurrency: Annotated[
+        int | None,
+        typer.Option(
+            help="ingest alone: processes (default: the cores). With encode/generate: task threads "
+            "(default: the generate window, VISBATCH_GENERATE_WINDOW, or 16 for encode alone)."
+        ),
+    ] = None,
     name: Annotated[str | None, typer.Option(help="Worker name (default: from the queues and host).")] = None,
     loglevel: Annotated[str, typer.Option()] = "INFO",
 ) -> None:
-    """Start a Celery worker: prefork for ingest alone, solo (model loaded once) for GPU stages."""
-    from worker.celery_app import QUEUES
+    """Start a Celery worker: processes for ingest alone; for GPU stages one process (the model loaded
+    once) whose task threads feed one engine loop: start one worker per GPU."""
+    from worker.celery_app import QUEUES, queue_name
     from worker.celery_app import app as celery_app
 
     chosen = [q.strip() for q in queues.split(",") if q.strip()]
@@ -360,30 +436,35 @@ def worker(
     if unknown or not chosen:
         _fail(f"unknown queue(s) {unknown}; choose from {', '.join(QUEUES)}")
     settings = Settings()
-    gpu = bool({"encode", "generate"} & set(chosen))
-    # The generate worker must hold a batch's worth of messages to pack them (celery-batches);
-    # every other worker takes one task at a time so no task waits behind a long one.
-    prefetch = settings.generate_flush_every + 1 if "generate" in chosen else 1
     argv = [
         "worker",
         "-Q",
-        ",".join(chosen),
+        ",".join(queue_name(settings, q) for q in chosen),
         "--loglevel",
         loglevel,
+        # One message per pool slot: a GPU worker's threads hold exactly the units in its window.
         "--prefetch-multiplier",
-        str(prefetch),
+        "1",
         "-n",
         name or f"visbatch-{'-'.join(chosen)}-{os.getpid()}@%h",
         "--without-gossip",
         "--without-mingle",
     ]
-    if gpu:
-        if concurrency != 1:
-            console.print("GPU stages run one process per worker (solo pool): start one worker per GPU.")
-        argv += ["-P", "solo"]
+    if {"encode", "generate"} & set(chosen):
+        # Task threads mostly wait on the process's one engine loop; they are the window of
+        # messages (units) in flight, acknowledged as each unit's results are stored.
+        default = settings.generate_window or 64 if "generate" in chosen else 16
+        argv += ["-P", "threads", "-c", str(concurrency or default)]
     else:
         # Recycle ingest processes now and then: PDF and video libraries can hold on to memory.
-        argv += ["-P", "prefork", "-c", str(concurrency), "--max-tasks-per-child", "200"]
+        argv += [
+            "-P",
+            "prefork",
+            "-c",
+            str(concurrency or os.cpu_count() or 1),
+            "--max-tasks-per-child",
+            "200",
+        ]
     celery_app.worker_main(argv)
 
 
@@ -434,12 +515,28 @@ def _print_summary(s: dict[str, Any]) -> None:
         table.add_row(key, str(s.get(key)))
     for key, value in token_lines(s.get("tokens")):
         table.add_row(key, value)
+    for key, value in timing_lines(s.get("timing")):
+        table.add_row(key, value)
     console.print(table)
     for err in s.get("errors", [])[:20]:
         where = err["source"] + (f" #{err['unit']}" if err.get("unit") is not None else "")
         console.print(f"  [red]{where}[/]: {err['message']}")
     if len(s.get("errors", [])) > 20:
         console.print(f"  ... {len(s['errors']) - 20} more errors (visbatch status {s['id']} --json)")
+
+
+def timing_lines(timing: dict | None) -> list[tuple[str, str]]:
+    """Wall time, time to the first result, each stage's busy time, pages (units) per second."""
+    if not timing or timing.get("wall_seconds") is None:
+        return []
+    busy = timing["busy_seconds"]
+    lines = [("wall time", f"{timing['wall_seconds']:.1f} s")]
+    if timing.get("first_result_seconds") is not None:
+        lines.append(("first result after", f"{timing['first_result_seconds']:.1f} s"))
+    lines.append(("busy", ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in busy.items())))
+    if timing.get("units_per_second"):
+        lines.append(("pages+frames per second", f"{timing['units_per_second']:.2f}"))
+    return lines
 
 
 def _summary_or_exit(job: str) -> tuple[Any, dict[str, Any]]:

@@ -1,6 +1,7 @@
 """Everything a stage needs, built from settings: database, object store, token cache, model, engine.
 
-Built lazily, so `visbatch status` never loads a model and `visbatch ingest` never loads weights.
+Built lazily, and the heavy parts imported lazily too: `visbatch status`, an ingest worker and
+the ingest stage never import torch or transformers; only encode and generate load the model.
 """
 
 from __future__ import annotations
@@ -8,17 +9,28 @@ from __future__ import annotations
 import threading
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ingest.isolation import IsolatedSplitter
 from ingest.limits import Limits
 from storage.db import Database
-from storage.object_store import ObjectStore, open_object_store
 from storage.settings import Settings
-from storage.token_cache import TokenCache, open_token_cache
-from worker.encode import VisualTokenStore
-from worker.engines import Engine, make_engine, resolve_engine_name
-from worker.generate import GenerateStage
-from worker.models import ModelAdapter, ModelRef, load_adapter
+from worker.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from ingest.isolation import IsolatedSplitter
+    from ingest.token_rules import TokenRule
+    from storage.object_store import ObjectStore
+    from storage.token_cache import TokenCache
+    from worker.engines import Engine
+    from worker.models import ModelAdapter
+    from worker.request_builder import RequestBuilder
+    from worker.token_store import VisualTokenStore
+
+
+def resolve_model_name(name: str) -> str:
+    """A local folder is recorded by its absolute path, so results say which model made them."""
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.is_dir() else name
 
 
 class Runtime:
@@ -30,9 +42,7 @@ class Runtime:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._splitters: list[IsolatedSplitter] = []
-        name = model or settings.model
-        # A local folder is recorded by its absolute path, so results say which model made them.
-        self.model_name = str(Path(name).resolve()) if Path(name).is_dir() else name
+        self.model_name = resolve_model_name(model or settings.model)
 
     @cached_property
     def db(self) -> Database:
@@ -42,10 +52,14 @@ class Runtime:
 
     @cached_property
     def store(self) -> ObjectStore:
+        from storage.object_store import open_object_store
+
         return open_object_store(self.settings.object_store_url(), endpoint_url=self.settings.s3_endpoint_url)
 
     @cached_property
     def cache(self) -> TokenCache:
+        from storage.token_cache import open_token_cache
+
         s = self.settings
         return open_token_cache(
             s.token_cache_url(),
@@ -60,10 +74,23 @@ class Runtime:
     def limits(self) -> Limits:
         return Limits.from_settings(self.settings)
 
+    @cached_property
+    def retry(self) -> RetryPolicy:
+        return RetryPolicy(max_retries=self.settings.task_max_retries)
+
+    @cached_property
+    def token_rule(self) -> TokenRule:
+        """The model's token rule from its JSON files: what ingest needs of the model (no torch)."""
+        from ingest.token_rules import load_token_rule
+
+        return load_token_rule(self.model_name, self.settings.model_revision)
+
     def splitter(self) -> IsolatedSplitter:
         """This thread's splitting process (started on first use, replaced when it dies)."""
         splitter = getattr(self._local, "splitter", None)
         if splitter is None:
+            from ingest.isolation import IsolatedSplitter
+
             splitter = IsolatedSplitter(
                 self.settings.object_store_url(),
                 endpoint_url=self.settings.s3_endpoint_url,
@@ -75,7 +102,16 @@ class Runtime:
         return splitter
 
     @cached_property
+    def engine_name(self) -> str:
+        """vllm or transformers: what `VISBATCH_ENGINE` means for this model on this machine."""
+        from worker.engines import resolve_engine_name
+
+        return resolve_engine_name(self.settings.engine, self.adapter)
+
+    @cached_property
     def adapter(self) -> ModelAdapter:
+        from worker.models import ModelRef, load_adapter
+
         ref = ModelRef(
             source=self.model_name,
             revision=self.settings.model_revision,
@@ -83,30 +119,48 @@ class Runtime:
             dtype=self.settings.dtype,
         )
         adapter = load_adapter(ref)
+        from worker.engines import resolve_engine_name
+
         adapter.vision_only = resolve_engine_name(self.settings.engine, adapter) != "transformers"
         return adapter
 
     @cached_property
     def tokens(self) -> VisualTokenStore:
+        from worker.token_store import VisualTokenStore
+
         return VisualTokenStore(self.adapter, self.cache, self.store, self.settings.encode_batch_images)
 
     @cached_property
     def engine(self) -> Engine:
+        from worker.engines import make_engine
+
         return make_engine(self.settings.engine, self.adapter, self.settings)
 
     @cached_property
-    def generate_stage(self) -> GenerateStage:
-        return GenerateStage(
-            self.adapter,
-            self.engine,
-            self.tokens,
-            token_budget=self.settings.token_budget,
-            max_batch_size=self.settings.max_batch_size,
-            model_name=self.model_name,
+    def requests(self) -> RequestBuilder:
+        from worker.request_builder import RequestBuilder
+
+        return RequestBuilder(
+            self.adapter, self.tokens, model_name=self.model_name, engine_name=self.engine.name
         )
 
-    def close(self) -> None:
-        for splitter in self._splitters:
+    @property
+    def generate_window(self) -> int:
+        """Requests kept in flight in the engine (VISBATCH_GENERATE_WINDOW; default by engine)."""
+        if self.settings.generate_window is not None:
+            return self.settings.generate_window
+        # vLLM schedules hundreds of sequences at once (Ray Data LLM keeps 256 per replica);
+        # transformers runs static batches, so a few batches' worth to pack from is enough.
+        return 256 if self.engine.name == "vllm" else 4 * self.settings.max_batch_size
+
+    def close_splitters(self) -> None:
+        """Kill every splitting child (from any thread): a stopping run ends its renders at once."""
+        with self._lock:
+            splitters = list(self._splitters)
+        for splitter in splitters:
             splitter.close()
+
+    def close(self) -> None:
+        self.close_splitters()
         if self._owns_db and "db" in self.__dict__:
             self.db.dispose()

@@ -1,12 +1,20 @@
-"""Celery tasks: the embedded pipeline's stages, fanned out per source, unit chunk and unit.
+"""Celery tasks: thin drivers over the stage layer (worker.stages), one task per stage.
 
-ingest_source (ingest queue)  -> units -> encode_units per chunk (encode queue)
-encode_units                  -> one generate_units message per unit (generate queue)
-generate_units (batched)      gathers messages from many jobs for up to a fraction of a second,
-                              packs their requests by tokens, stores results
+ingest_source (ingest queue)    a range of a source's pages (a video whole) -> unit rows; each
+                                stored chunk sends an encode task; the rest of the source goes on
+                                in a new task, so no task outlives the broker's redelivery timeout
+encode_units (encode queue)     units -> cached visual tokens; one generate task per unit
+generate_units (generate queue) hands its units to the process's generate service (a window of
+                                requests kept in the engine across messages) and returns once
+                                their results are stored: only then is the message acknowledged
+
 Every task is idempotent: it only acts on rows still in the state it expects, so a redelivered
-or repeated message changes nothing. The worker whose update takes a job's pending count to 0
-closes the job (fan-in in the database, no chords).
+or repeated message changes nothing twice. Whatever takes a job's countdown to 0 closes it
+(fan-in in the database, no chords). Transient errors are retried with backoff (worker.retry);
+a unit or source fails only for a reason retrying cannot fix, or after the last try.
+
+GPU workers run these in a thread pool (`visbatch worker`): task threads mostly wait while one
+engine thread works, and Celery's prefetch then keeps a window of messages in the process.
 """
 
 from __future__ import annotations
@@ -14,62 +22,37 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import random
 import tempfile
-from collections import defaultdict
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlparse
 
 from celery import Task
-from celery_batches import Batches
+from celery.exceptions import Reject, Retry
+from celery.signals import worker_shutting_down
 
 from ingest.spec import JobSpec
-from storage import fleet
+from ingest.units import UnitSelection
 from storage import repository as repo
 from storage.db import Database
 from storage.models import FINISHED_JOB_STATUSES, UnitStatus
-from storage.object_store import ObjectNotFound, download_s3_uri
+from storage.rows import UnitTask
 from storage.settings import Settings
 from worker.celery_app import app
-from worker.pipeline import (
-    IngestOutcome,
-    NullProgress,
-    generate_and_store,
-    ingest_units,
-    requests_for,
-    unit_bounds,
-)
+from worker.retry import RetryPolicy, describe, is_transient
 from worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
 SETTINGS = Settings()
-
-
-def _transient_errors() -> tuple[type[BaseException], ...]:
-    """Errors worth a retry: a service that is down or slow, not a bad input."""
-    import botocore.exceptions
-    import redis.exceptions
-    import sqlalchemy.exc
-
-    return (
-        sqlalchemy.exc.OperationalError,
-        sqlalchemy.exc.InterfaceError,
-        redis.exceptions.ConnectionError,
-        redis.exceptions.TimeoutError,
-        botocore.exceptions.EndpointConnectionError,
-        botocore.exceptions.ConnectionClosedError,
-        botocore.exceptions.ReadTimeoutError,
-        ConnectionError,
-        TimeoutError,
-    )
-
-
-TRANSIENT = _transient_errors()
+POLICY = RetryPolicy(max_retries=SETTINGS.task_max_retries)
 
 # One model per worker process: a job for another model replaces it, so memory stays flat.
 _RUNTIMES: dict[str, Runtime] = {}
+_RUNTIME_LOCK = threading.Lock()
+# A thread-pool worker that also takes ingest tasks splits at most this many sources at once.
+_INGEST_SLOTS = threading.BoundedSemaphore(SETTINGS.ingest_workers)
 
 
 @functools.cache
@@ -81,38 +64,51 @@ def _db() -> Database:
 
 def runtime_for(model: str | None) -> Runtime:
     name = model or SETTINGS.model
-    if name not in _RUNTIMES:
-        for other in list(_RUNTIMES):
-            _RUNTIMES.pop(other).close()
-        _RUNTIMES[name] = Runtime(SETTINGS, model=name, db=_db())
-    return _RUNTIMES[name]
+    with _RUNTIME_LOCK:
+        if name not in _RUNTIMES:
+            for other in list(_RUNTIMES):
+                _close_service(_RUNTIMES[other])
+                _RUNTIMES.pop(other).close()
+            _RUNTIMES[name] = Runtime(SETTINGS, model=name, db=_db())
+        return _RUNTIMES[name]
 
 
 def _live_spec(job_id: str) -> JobSpec | None:
     """The job's spec, or None when the job is gone, cancelled or already closed."""
-    state = fleet.job_state(_db(), job_id)
+    state = repo.job_state(_db(), job_id)
     if state is None or state[0] in FINISHED_JOB_STATUSES:
         return None
     return JobSpec.model_validate(state[1])
 
 
-def _close_if_done(remaining: dict[str, int] | int | None, job_id: str | None = None) -> None:
-    counts = remaining if isinstance(remaining, dict) else {job_id: remaining}
-    for jid, left in counts.items():
-        if jid is not None and left == 0:
-            status = repo.close_job(_db(), jid)
-            log.info("job %s closed: %s", jid, status)
-
-
 class StageTask(Task):
-    """Retries transient errors with exponential backoff and jitter, a bounded number of times."""
+    """Acknowledged after it ran; retried on transient errors (see `retrying`)."""
 
-    autoretry_for = TRANSIENT
-    retry_backoff = 2
-    retry_backoff_max = 60
-    retry_jitter = True
-    max_retries = SETTINGS.task_max_retries
     acks_late = True
+    max_retries = SETTINGS.task_max_retries
+
+
+def retrying(fn: Callable[..., str]) -> Callable[..., str]:
+    """The task body under the retry policy: a transient error anywhere in it (the database, the
+    store or the broker away) retries the task later with backoff and jitter while tries remain;
+    any other error, or the last transient one, fails it (its on_failure records the cause)."""
+
+    @functools.wraps(fn)
+    def run(self: Task, *args: object, **kwargs: object) -> str:
+        try:
+            return fn(self, *args, **kwargs)
+        except (Reject, Retry):
+            raise
+        except Exception as exc:
+            if is_transient(exc) and self.request.retries < POLICY.max_retries:
+                log.warning("%s: %s; retry %d", self.name, describe(exc), self.request.retries + 1)
+                raise self.retry(exc=exc, countdown=POLICY.delay(self.request.retries)) from exc
+            raise
+
+    return run
+
+
+# --- ingest ---------------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -121,6 +117,8 @@ def fetched(rt: Runtime, location: str) -> Iterator[Path]:
     if location.startswith("file://"):
         yield Path(urlparse(location).path)
         return
+    from storage.object_store import download_s3_uri
+
     with tempfile.TemporaryDirectory(prefix="visbatch-src-") as tmp:
         dest = Path(tmp) / "source"
         if location.startswith("store:"):
@@ -133,121 +131,139 @@ def fetched(rt: Runtime, location: str) -> Iterator[Path]:
         yield dest
 
 
-def _failure_message(stage: str, exc: BaseException) -> str:
-    return f"{stage} failed: {type(exc).__name__}: {exc}"
-
-
 class IngestTask(StageTask):
     def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
         # Retries are spent or the error is not transient: the source fails, the job goes on.
-        job_id, source_id = args[0], args[1]
-        remaining = fleet.complete_source(_db(), source_id, error=_failure_message("ingest", exc))
-        _close_if_done(remaining, job_id)
+        source_id = args[1]
+        message = f"ingest failed: {describe(exc)}"
+        repo.close_finished(_db(), repo.complete_source(_db(), source_id, error=message))
 
 
 @app.task(base=IngestTask, bind=True, name="visbatch.ingest_source")
-def ingest_source(self: Task, job_id: str, source_id: int, location: str) -> str:
+@retrying
+def ingest_source(self: Task, job_id: str, source_id: int, location: str, first: int = 0) -> str:
+    from storage.object_store import ObjectNotFound
+    from worker.stages.ingest import ingest_source as ingest_stage
+
     spec = _live_spec(job_id)
     if spec is None:
-        return "skipped"
+        return "skipped: job finished"
+    source = repo.source_state(_db(), source_id)
+    if source.status != "pending":
+        return "skipped: source complete"
+    if source.next_unit > first:
+        # This range was stored by an earlier delivery, which may have died before handing the
+        # rest on: hand it on again (a duplicate range task stops at its own cursor check).
+        ingest_source.apply_async((job_id, source_id, location, source.next_unit))
+        return "skipped: range done"
     rt = runtime_for(spec.model)
+
+    def send_encode(units: list[UnitTask]) -> None:
+        # Before the source's hold is released: a crash in between only resends work.
+        ids = [u.unit_id for u in units]
+        for start in range(0, len(ids), SETTINGS.encode_chunk_units):
+            encode_units.apply_async((job_id, ids[start : start + SETTINGS.encode_chunk_units]))
+
+    selection = UnitSelection(first=first, limit=SETTINGS.ingest_range_units)
     try:
-        with fetched(rt, location) as path:
-            outcome = ingest_units(rt, job_id, source_id, path, spec)
+        with _INGEST_SLOTS, fetched(rt, location) as path:
+            # A third of the time limit: slow pages end the range early, never the task.
+            step = ingest_stage(rt, job_id, source_id, source.uri, path, spec, selection=selection,
+                                on_units=send_encode, time_budget=SETTINGS.task_time_limit / 3)  # fmt: skip
     except ObjectNotFound:
         # Permanent: retrying will not make it appear. The source fails, the job goes on.
-        outcome = IngestOutcome(error=f"not found: {location.removeprefix('store:')}")
-    # Send the encode work before releasing the source's hold: a crash in between only
-    # resends (idempotent) work, never leaves units that nobody will encode.
-    unit_ids = fleet.source_unit_ids(rt.db, source_id, UnitStatus.PENDING)
-    step = SETTINGS.encode_chunk_units
-    for start in range(0, len(unit_ids), step):
-        encode_units.apply_async((job_id, unit_ids[start : start + step]))
-    facts = {"kind": outcome.kind, "sha256": outcome.sha256, "size": outcome.size}
-    _close_if_done(fleet.complete_source(rt.db, source_id, error=outcome.error, **facts), job_id)
-    return f"{len(unit_ids)} units"
+        error = f"not found: {location.removeprefix('store:')}"
+        repo.close_finished(rt.db, repo.complete_source(rt.db, source_id, error=error))
+        return "not found"
+    if step.next_position is not None and repo.advance_cursor(rt.db, source_id, first, step.next_position):
+        ingest_source.apply_async((job_id, source_id, location, step.next_position))
+    return f"{step.units_stored} units"
+
+
+# --- encode ---------------------------------------------------------------------------------------
 
 
 class EncodeTask(StageTask):
     def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
-        unit_ids = args[1]
-        pending = fleet.units_by_ids(_db(), unit_ids, UnitStatus.PENDING)
-        if pending:
-            message = _failure_message("encode", exc)
-            _close_if_done(repo.fail_units(_db(), [(u.unit_id, message) for u in pending]))
+        from worker.stages.encode import give_up
+
+        job_id, unit_ids = args[0], args[1]
+        spec = _live_spec(job_id)
+        if spec is not None:
+            rt = runtime_for(spec.model)
+            give_up(rt, repo.units_by_ids(rt.db, unit_ids, UnitStatus.PENDING), exc, self.request.retries + 1)
 
 
 @app.task(base=EncodeTask, bind=True, name="visbatch.encode_units")
+@retrying
 def encode_units(self: Task, job_id: str, unit_ids: list[int]) -> str:
+    from worker.stages.encode import encode_units as encode_stage
+
     spec = _live_spec(job_id)
     if spec is None:
-        return "skipped"
+        return "skipped: job finished"
     rt = runtime_for(spec.model)
-    pending = fleet.units_by_ids(rt.db, unit_ids, UnitStatus.PENDING)
-    outcomes = rt.tokens.encode_units([(u.unit_id, u.image_key, unit_bounds(u)) for u in pending])
-    ok = [(o.unit_id, o.cache_key, o.cache_hit) for o in outcomes if o.error is None]
-    failed = [(o.unit_id, o.error) for o in outcomes if o.error is not None]
-    if ok:
-        repo.mark_units_encoded(rt.db, ok)
+    pending = repo.units_by_ids(rt.db, unit_ids, UnitStatus.PENDING)
+    step = encode_stage(rt, pending)
     # Units encoded by an earlier delivery of this message are sent on too (idempotent).
-    for unit in fleet.units_by_ids(rt.db, unit_ids, UnitStatus.ENCODED):
-        generate_units.apply_async((job_id, unit.unit_id))
-    if failed:
-        _close_if_done(repo.fail_units(rt.db, failed))
-    return f"{len(ok)} encoded, {len(failed)} failed"
+    for unit in repo.units_by_ids(rt.db, unit_ids, UnitStatus.ENCODED):
+        generate_units.apply_async((job_id, [unit.unit_id]))
+    return f"{len(step.encoded)} encoded, {step.failed} failed"
 
 
-@app.task(
-    base=Batches,
-    name="visbatch.generate_units",
-    flush_every=SETTINGS.generate_flush_every,
-    flush_interval=SETTINGS.generate_flush_interval,
-    acks_late=True,
-)
-def generate_units(requests: list[Any]) -> None:
-    """Gathers generate messages from many jobs and packs them into GPU batches together.
+# --- generate -------------------------------------------------------------------------------------
 
-    Messages are acknowledged after the flush returns: a worker killed mid-batch leaves them
-    unacknowledged, and Redis hands them to another worker after the visibility timeout.
-    """
-    messages = [(r.args[0], int(r.args[1]), int(r.kwargs.get("attempt", 0))) for r in requests]
+_SERVICES: dict[int, object] = {}  # id(runtime) -> its GenerateService
+_SERVICE_LOCK = threading.Lock()
+
+
+def _service(rt: Runtime):  # -> GenerateService (imported lazily: it loads the engine)
+    from worker.stages.generate import GenerateService
+
+    with _SERVICE_LOCK:
+        service = _SERVICES.get(id(rt))
+        if service is None or not service.alive:  # type: ignore[attr-defined]
+            service = _SERVICES[id(rt)] = GenerateService(rt)
+        return service
+
+
+def _close_service(rt: Runtime) -> None:
+    with _SERVICE_LOCK:
+        service = _SERVICES.pop(id(rt), None)
+    if service is not None:
+        service.close(timeout=30)  # type: ignore[attr-defined]
+
+
+@worker_shutting_down.connect
+def _on_shutdown(**_: object) -> None:
+    """Warm shutdown (SIGTERM): units in the engine go back to the broker instead of being lost
+    or finished late: their tasks are rejected with requeue, another worker takes them."""
+    for rt in list(_RUNTIMES.values()):
+        _close_service(rt)
+
+
+class GenerateTask(StageTask):
+    def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
+        unit_ids = args[1]
+        left = repo.units_by_ids(_db(), unit_ids, UnitStatus.ENCODED)
+        if left:
+            message = f"generate failed: {describe(exc)}"
+            repo.close_finished(_db(), repo.fail_units(_db(), [(u.unit_id, message) for u in left]))
+
+
+@app.task(base=GenerateTask, bind=True, name="visbatch.generate_units")
+@retrying
+def generate_units(self: Task, job_id: str, unit_ids: list[int]) -> str:
+    from worker.stages.generate import ServiceClosed
+
+    spec = _live_spec(job_id)
+    if spec is None:
+        return "skipped: job finished"
+    rt = runtime_for(spec.model)
+    units = repo.units_by_ids(rt.db, unit_ids, UnitStatus.ENCODED)
+    future: Future = _service(rt).submit([(u, spec) for u in units])  # type: ignore[attr-defined]
     try:
-        _generate(messages)
-    except TRANSIENT as exc:
-        _retry_or_fail(messages, exc)
-    except Exception as exc:
-        log.exception("generate batch failed")
-        _fail_messages(messages, _failure_message("generate", exc))
-
-
-def _generate(messages: list[tuple[str, int, int]]) -> None:
-    by_model: dict[str | None, dict[str, JobSpec]] = defaultdict(dict)
-    unit_ids: dict[str, list[int]] = defaultdict(list)
-    for job_id, unit_id, _ in messages:
-        unit_ids[job_id].append(unit_id)
-    for job_id in unit_ids:
-        spec = _live_spec(job_id)
-        if spec is not None:
-            by_model[spec.model][job_id] = spec
-    for model, specs in by_model.items():
-        rt = runtime_for(model)
-        ids = [u for job_id in specs for u in unit_ids[job_id]]
-        units = fleet.units_by_ids(rt.db, ids, UnitStatus.ENCODED)
-        remaining = generate_and_store(rt, requests_for(units, specs), NullProgress())
-        _close_if_done(remaining)
-
-
-def _retry_or_fail(messages: list[tuple[str, int, int]], exc: BaseException) -> None:
-    for job_id, unit_id, attempt in messages:
-        if attempt < SETTINGS.task_max_retries:
-            countdown = min(60, 2**attempt) * (0.5 + random.random())  # backoff with jitter
-            generate_units.apply_async((job_id, unit_id), {"attempt": attempt + 1}, countdown=countdown)
-        else:
-            _fail_messages([(job_id, unit_id, attempt)], _failure_message("generate", exc))
-
-
-def _fail_messages(messages: list[tuple[str, int, int]], message: str) -> None:
-    ids = [unit_id for _, unit_id, _ in messages]
-    left = fleet.units_by_ids(_db(), ids, UnitStatus.ENCODED)
-    if left:
-        _close_if_done(repo.fail_units(_db(), [(u.unit_id, message) for u in left]))
+        outcome = future.result()
+    except ServiceClosed as exc:
+        raise Reject(f"worker shutting down: {exc}", requeue=True) from exc
+    return f"{outcome.stored} stored, {outcome.dropped} dropped"

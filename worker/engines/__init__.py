@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from worker.engines.base import Engine, EngineRequest, Generation, RequestRejected
-from worker.models.base import ModelAdapter
 
 if TYPE_CHECKING:
     from storage.settings import Settings
+    from worker.models.base import ModelAdapter
 
 ENGINES = ("vllm", "transformers")
 
@@ -33,7 +33,11 @@ def make_engine(name: str, adapter: ModelAdapter, settings: Settings | None = No
     if resolved == "transformers":
         from worker.engines.transformers_engine import TransformersEngine
 
-        return TransformersEngine(adapter)
+        if settings is None:
+            return TransformersEngine(adapter)
+        return TransformersEngine(
+            adapter, token_budget=settings.token_budget, max_batch_size=settings.max_batch_size
+        )
     if resolved == "vllm":
         from storage.settings import Settings
         from worker.engines.vllm_engine import VLLMEngine, VLLMOptions

@@ -1,7 +1,18 @@
-"""The engine interface: a batch of prepared requests in, one generation per request out."""
+"""The engine interface: requests go in as they are ready, generations come out as they finish.
+
+An engine is driven by one thread (the generate stage's loop): `add` requests, call `step`
+repeatedly, get back the (request id, Generation) pairs that finished in that step. That lets
+the loop keep a window of requests in flight and refill it as requests finish (vLLM schedules
+them continuously; the transformers engine packs what is queued by token count into static
+batches). `request_abort` may be called from any thread: a cancelled job's requests stop at the
+engine's next step (vLLM) or next decode step (transformers), and are never returned.
+`generate` is the one-shot form (add everything, step until done) that tests and benchmarks use.
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -51,4 +62,57 @@ class RequestRejected(ValueError):
 class Engine(Protocol):
     name: str
 
+    def add(self, request_id: str, request: EngineRequest) -> None: ...
+
+    def step(self) -> list[tuple[str, Generation]]: ...
+
+    def request_abort(self, request_ids: Iterable[str]) -> None: ...
+
+    @property
+    def unfinished(self) -> int: ...
+
     def generate(self, requests: list[EngineRequest]) -> list[Generation]: ...
+
+
+class StepEngine(ABC):
+    """What every engine shares: the abort set, and `generate` over add/step."""
+
+    name = "engine"
+
+    def __init__(self) -> None:
+        # Written by any thread (set.update is atomic under the GIL), read by the stepping one.
+        self._aborts: set[str] = set()
+
+    def request_abort(self, request_ids: Iterable[str]) -> None:
+        self._aborts.update(request_ids)
+
+    def _take_aborts(self, live: Iterable[str]) -> set[str]:
+        """The aborts asked for requests still here; forgotten once taken."""
+        wanted = self._aborts & set(live)
+        self._aborts -= wanted
+        return wanted
+
+    def generate(self, requests: list[EngineRequest]) -> list[Generation]:
+        """Every request to its end; generations in the order of `requests`."""
+        ids = [f"g{i}" for i in range(len(requests))]
+        for request_id, request in zip(ids, requests, strict=True):
+            self.add(request_id, request)
+        done: dict[str, Generation] = {}
+        while len(done) < len(ids):
+            for request_id, generation in self.step():
+                done[request_id] = generation
+        return [done[request_id] for request_id in ids]
+
+    @abstractmethod
+    def add(self, request_id: str, request: EngineRequest) -> None:
+        """Queue one request (ids unique among the unfinished); a request the engine cannot take
+        comes back from the next `step` as a failed Generation, never as an exception."""
+
+    @abstractmethod
+    def step(self) -> list[tuple[str, Generation]]:
+        """Advance the engine; the requests that finished (aborted ones are dropped)."""
+
+    @property
+    @abstractmethod
+    def unfinished(self) -> int:
+        """Requests added and not yet returned by `step` (nor aborted)."""

@@ -1,35 +1,138 @@
-"""Generation with transformers from cached visual tokens: the vision tower never runs here."""
+"""Generation with transformers from cached visual tokens: the vision tower never runs here.
+
+transformers generates static batches (every row padded to the longest prompt, the batch runs
+until its longest answer ends), so each `step` packs what is queued by token count
+(worker.packing) and runs ONE batch: the one holding the oldest queued request, so nothing
+waits forever behind a stream of better-fitting newcomers. A cancelled request stops at the
+next decode step (a per-row stopping criterion), and a batch that fails is halved and retried,
+so one bad request fails alone.
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from itertools import groupby
 
 import torch
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from worker.engines.base import EngineRequest, Generation
+from worker.engines.base import EngineRequest, Generation, StepEngine
 from worker.models.base import ModelAdapter
+from worker.packing import PackItem, pack_by_tokens
 from worker.structured import GrammarLogitsProcessor
 
+log = logging.getLogger(__name__)
 
-class TransformersEngine:
+# Defaults of VISBATCH_TOKEN_BUDGET / VISBATCH_MAX_BATCH_SIZE (storage.settings).
+DEFAULT_TOKEN_BUDGET = 16384
+DEFAULT_MAX_BATCH_SIZE = 16
+
+
+class _StopAborted(StoppingCriteria):
+    """Ends the rows whose requests were aborted, at the next decode step."""
+
+    def __init__(self, row_ids: list[str], aborted: set[str]) -> None:
+        self.row_ids = row_ids
+        self.aborted = aborted
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        if not self.aborted:
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        done = [request_id in self.aborted for request_id in self.row_ids]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+class TransformersEngine(StepEngine):
     name = "transformers"
 
-    def __init__(self, adapter: ModelAdapter) -> None:
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        *,
+        token_budget: int = DEFAULT_TOKEN_BUDGET,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+    ) -> None:
+        super().__init__()
         self.adapter = adapter
+        self.token_budget = token_budget
+        self.max_batch_size = max_batch_size
+        self._queue: dict[str, EngineRequest] = {}  # insertion order = arrival order
+        self.batches_run = 0
+        self.padding_slots = 0  # input slots that were padding, over every batch run
+        self.input_slots = 0
+
+    # --- the step API ------------------------------------------------------------------------
+
+    def add(self, request_id: str, request: EngineRequest) -> None:
+        self._queue[request_id] = request
+
+    @property
+    def unfinished(self) -> int:
+        return len(self._queue)
+
+    def step(self) -> list[tuple[str, Generation]]:
+        for request_id in self._take_aborts(self._queue):
+            del self._queue[request_id]
+        if not self._queue:
+            return []
+        batch = self._next_batch()
+        requests = [self._queue.pop(request_id) for request_id in batch]
+        generations = self._run(batch, requests)
+        aborted = self._take_aborts(batch)
+        return [(rid, gen) for rid, gen in zip(batch, generations, strict=True) if rid not in aborted]
+
+    def _next_batch(self) -> list[str]:
+        oldest = next(iter(self._queue))
+        items = [
+            PackItem(
+                payload=request_id,
+                input_tokens=len(request.prompt_ids),
+                max_new_tokens=request.max_new_tokens,
+                group=request.sampling_key,
+                affinity=request.cache_key,
+            )
+            for request_id, request in self._queue.items()
+        ]
+        batches = pack_by_tokens(items, token_budget=self.token_budget, max_batch_size=self.max_batch_size)
+        chosen = next(b for b in batches if any(item.payload == oldest for item in b.items))
+        self.batches_run += 1
+        self.padding_slots += chosen.padded_input_tokens - chosen.real_input_tokens
+        self.input_slots += chosen.padded_input_tokens
+        return [item.payload for item in chosen.items]
+
+    def _run(self, ids: list[str], requests: list[EngineRequest]) -> list[Generation]:
+        """One packed batch; on an error, halves it so that one bad request fails alone."""
+        try:
+            return self._generate(requests, ids)
+        except Exception as exc:
+            if len(requests) == 1:
+                log.warning("generation failed: %s", exc)
+                return [Generation.failed(f"generation failed: {type(exc).__name__}: {exc}")]
+            log.warning("batch of %d failed (%s); splitting", len(requests), exc)
+            mid = len(requests) // 2
+            return self._run(ids[:mid], requests[:mid]) + self._run(ids[mid:], requests[mid:])
+
+    # --- one static batch ----------------------------------------------------------------------
 
     def generate(self, requests: list[EngineRequest]) -> list[Generation]:
+        """These requests as ONE batch per sampling setting (no packing): what the equivalence
+        tests compare against the pixel path."""
+        return self._generate(requests, [f"g{i}" for i in range(len(requests))])
+
+    def _generate(self, requests: list[EngineRequest], ids: list[str]) -> list[Generation]:
         results: dict[int, Generation] = {}
         order = sorted(range(len(requests)), key=lambda i: requests[i].sampling_key)
         # One generate call per sampling setting: transformers applies one setting per call.
         for _, group in groupby(order, key=lambda i: requests[i].sampling_key):
             idx = list(group)
-            for i, gen in zip(idx, self._generate_group([requests[i] for i in idx]), strict=True):
+            outputs = self._generate_group([requests[i] for i in idx], [ids[i] for i in idx])
+            for i, gen in zip(idx, outputs, strict=True):
                 results[i] = gen
         return [results[i] for i in range(len(requests))]
 
     @torch.inference_mode()
-    def _generate_group(self, requests: list[EngineRequest]) -> list[Generation]:
+    def _generate_group(self, requests: list[EngineRequest], ids: Iterable[str]) -> list[Generation]:
         adapter = self.adapter
         model = adapter.model
         prompts, visuals = [r.prompt_ids for r in requests], [r.visual for r in requests]
@@ -54,6 +157,7 @@ class TransformersEngine:
             **inputs,
             max_new_tokens=max(r.max_new_tokens for r in requests),
             logits_processor=processors,
+            stopping_criteria=StoppingCriteriaList([_StopAborted(list(ids), self._aborts)]),
             pad_token_id=adapter.tokenizer.pad_token_id,
             eos_token_id=adapter.eos_token_ids,
             top_k=None,

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from worker.engines.base import EngineRequest, Generation, RequestRejected
+from worker.engines.base import EngineRequest, Generation, RequestRejected, StepEngine
 from worker.models.base import ModelAdapter
 
 if TYPE_CHECKING:
@@ -117,7 +117,13 @@ class PrefixCacheCounts:
     cached_tokens: int = 0
 
 
-class VLLMEngine:
+def _add_requests(llm: Any, prompts: list[dict[str, Any]], params: list[Any]) -> list[str]:
+    """Add requests to the in-process LLM exactly as LLM.generate does (same rendering of the
+    prompt and its embeddings, FINAL_ONLY outputs), without running the engine."""
+    return list(llm._add_completion_requests(prompts=prompts, params=params, use_tqdm=False))
+
+
+class VLLMEngine(StepEngine):
     name = "vllm"
 
     def __init__(self, adapter: ModelAdapter, options: VLLMOptions | None = None) -> None:
@@ -126,8 +132,12 @@ class VLLMEngine:
             raise VLLMUnavailable(f"VISBATCH_ENGINE=vllm but vLLM is not installed: {INSTALL_HINT}")
         self.adapter = adapter
         self.options = options or VLLMOptions()
+        super().__init__()
         self.prefix_cache = PrefixCacheCounts()
         self._warned_pruning = False
+        self._ours: dict[str, str] = {}  # vLLM's request id -> ours
+        self._theirs: dict[str, str] = {}  # ours -> vLLM's
+        self._ready: list[tuple[str, Generation]] = []  # refused before reaching vLLM
 
     # --- the LLM -------------------------------------------------------------------------
 
@@ -197,40 +207,53 @@ class VLLMEngine:
             eos.add(int(self.adapter.tokenizer.eos_token_id))
         return eos, penalty
 
-    # --- generation ----------------------------------------------------------------------
+    # --- the step API ----------------------------------------------------------------------
 
-    def generate(self, requests: list[EngineRequest]) -> list[Generation]:
-        results: list[Generation | None] = [None] * len(requests)
-        prompts: list[dict[str, Any]] = []
-        params: list[Any] = []
-        submitted: list[int] = []
-        for i, request in enumerate(requests):
-            if request.prune_keep < 1.0 and not self._warned_pruning:
-                self._warned_pruning = True
-                log.warning(
-                    "visual-token pruning (prune_keep=%g) is ignored by the vLLM engine: vLLM sizes each "
-                    "image from its grid and cannot take fewer tokens; use --detail or --max-pixels to "
-                    "spend fewer tokens, or VISBATCH_ENGINE=transformers to prune",
-                    request.prune_keep,
-                )
-            try:
-                self._check(request)
-                prompt = self.adapter.vllm_prompt(request.prompt_ids, request.visual, request.cache_key)
-            except ValueError as exc:  # RequestRejected included
-                log.warning("request rejected before vLLM: %s", exc)
-                results[i] = Generation.failed(f"rejected before the engine: {exc}")
+    @property
+    def unfinished(self) -> int:
+        return len(self._ours) + len(self._ready)
+
+    def add(self, request_id: str, request: EngineRequest) -> None:
+        if request.prune_keep < 1.0 and not self._warned_pruning:
+            self._warned_pruning = True
+            log.warning(
+                "visual-token pruning (prune_keep=%g) is ignored by the vLLM engine: vLLM sizes each "
+                "image from its grid and cannot take fewer tokens; use --detail or --max-pixels to "
+                "spend fewer tokens, or VISBATCH_ENGINE=transformers to prune",
+                request.prune_keep,
+            )
+        try:
+            self._check(request)
+            prompt = self.adapter.vllm_prompt(request.prompt_ids, request.visual, request.cache_key)
+        except ValueError as exc:  # RequestRejected included
+            log.warning("request rejected before vLLM: %s", exc)
+            self._ready.append((request_id, Generation.failed(f"rejected before the engine: {exc}")))
+            return
+        (vllm_id,) = _add_requests(self.llm, [prompt], [self._sampling_params(request)])
+        self._ours[vllm_id] = request_id
+        self._theirs[request_id] = vllm_id
+
+    def step(self) -> list[tuple[str, Generation]]:
+        """One step of vLLM's own engine loop (what LLM.generate runs), so requests can be added
+        between steps: vLLM keeps scheduling continuously while we store what finished."""
+        done, self._ready = self._ready, []
+        aborted = self._take_aborts(self._theirs)
+        if aborted:
+            vllm_ids = [self._theirs.pop(request_id) for request_id in aborted]
+            for vllm_id in vllm_ids:
+                del self._ours[vllm_id]
+            self.llm.llm_engine.abort_request(vllm_ids)
+        if not self._ours:
+            return done
+        for output in self.llm.llm_engine.step():
+            if not output.finished:
                 continue
-            prompts.append(prompt)
-            params.append(self._sampling_params(request))
-            submitted.append(i)
-        if prompts:
-            # The whole packed batch at once: vLLM schedules it continuously, and requests over
-            # one image arrive adjacent (the packer keeps them so), so its prefix cache hits.
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
-            for i, output in zip(submitted, outputs, strict=True):
-                results[i] = self._generation(output)
-        assert all(r is not None for r in results)
-        return results  # type: ignore[return-value]
+            request_id = self._ours.pop(output.request_id, None)
+            if request_id is None:  # aborted meanwhile
+                continue
+            del self._theirs[request_id]
+            done.append((request_id, self._generation(output)))
+        return done
 
     def _check(self, request: EngineRequest) -> None:
         a = self.adapter

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import io
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from ingest.budget import PixelBounds
 from storage.object_store import ObjectNotFound, ObjectStore
 from storage.token_cache import TokenCache
 from worker.models.base import ModelAdapter
+from worker.retry import describe, is_transient
 from worker.visual_tokens import InvalidVisualTokens, VisualTokens
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,8 @@ class VisualTokenStore:
         self.store = store
         self.batch_images = max(1, batch_images)
         self.stats = EncodeStats()
+        # One tower call at a time per process: a fleet worker runs encode tasks in threads.
+        self._tower = threading.Lock()
 
     def cache_key(self, image_key: str, bounds: PixelBounds | None = None) -> str:
         """Content + preprocessing (the job's resize bounds included) + model."""
@@ -81,9 +85,10 @@ class VisualTokenStore:
         for start in range(0, len(image_keys), self.batch_images):
             chunk = image_keys[start : start + self.batch_images]
             images = [self._load_image(k) for k in chunk]
-            self.stats.tower_calls += 1
-            tokens = self.adapter.encode(images, bounds)
-            self.stats.images_encoded += len(images)
+            with self._tower:
+                tokens = self.adapter.encode(images, bounds)
+                self.stats.tower_calls += 1
+                self.stats.images_encoded += len(images)
             for key, vt in zip(chunk, tokens, strict=True):
                 self.cache.put(self.cache_key(key, bounds), vt.to_bytes(fingerprint))
             out.extend(tokens)
@@ -100,7 +105,11 @@ class VisualTokenStore:
         """Make sure every (unit_id, image_key[, bounds]) has cached tokens; hits skip the tower.
 
         Units sharing an image and bounds (identical pages, static frames) are encoded once; one
-        tower call takes images of one bounds (the processor resizes a call alike).
+        tower call takes images of one bounds (the processor resizes a call alike). A transient
+        error (the store, the cache or the database away) is raised, for the retry policy
+        (worker.retry): it is never recorded as a unit's failure. A unit fails (its outcome
+        carries the error) only for what retrying cannot fix: a missing or undecodable image,
+        or a tower that refuses it.
         """
         outcomes: dict[int, EncodeOutcome] = {}
         misses: dict[tuple[str, PixelBounds | None], list[int]] = {}
@@ -121,9 +130,12 @@ class VisualTokenStore:
                 chunk = keys[start : start + self.batch_images]
                 try:
                     self.encode_keys(chunk, bounds)
-                    done = {k: None for k in chunk}
-                except Exception as exc:  # one bad image must not fail the batch: retry each alone
-                    log.warning("encode batch failed (%s); retrying images one by one", exc)
+                    done: dict[str, str | None] = {k: None for k in chunk}
+                except Exception as exc:
+                    if is_transient(exc):
+                        raise
+                    # One bad image must not fail the batch: each alone tells which one it was.
+                    log.warning("encode batch failed (%s); encoding its images one by one", describe(exc))
                     done = {k: self._encode_alone(k, bounds) for k in chunk}
                 for image_key, error in done.items():
                     key = self.cache_key(image_key, bounds)
@@ -133,10 +145,16 @@ class VisualTokenStore:
         return [outcomes[unit[0]] for unit in units]
 
     def _encode_alone(self, image_key: str, bounds: PixelBounds | None = None) -> str | None:
+        """None when the image is encoded now; the reason when it never can be. Transient errors
+        are raised."""
         try:
             self.encode_keys([image_key], bounds)
             return None
         except ObjectNotFound:
             return f"image {image_key} is missing from the object store"
         except Exception as exc:
-            return f"vision tower failed: {type(exc).__name__}: {exc}"
+            if is_transient(exc):
+                raise
+            if isinstance(exc, (UnidentifiedImageError, OSError)):  # PIL: truncated or not an image
+                return f"image {image_key} cannot be decoded: {describe(exc)}"
+            return f"vision tower failed: {describe(exc)}"

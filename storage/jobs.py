@@ -1,0 +1,467 @@
+"""Jobs: creating one with its sources, its state, closing it, and what `status` and `jobs` show."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Select, case, false, func, null, select, true, update
+from sqlalchemy.orm import Session
+
+from storage.db import Database
+from storage.models import (
+    FINISHED_JOB_STATUSES,
+    JobStatus,
+    SourceStatus,
+    UnitStatus,
+    new_job_id,
+    utcnow,
+)
+from storage.sql import (
+    JOBS,
+    MAX_ERRORS,
+    RESULTS,
+    SOURCES,
+    UNFINISHED_UNITS,
+    UNITS,
+    JobNotFound,
+    bump,
+    iso,
+    job_status_value,
+    now_param,
+    resolve_in_session,
+)
+
+
+def create_job(db: Database, spec: Mapping[str, Any], status: str = JobStatus.QUEUED) -> str:
+    """Insert a job and return its id. ``spec`` must be JSON (a pydantic model is dumped as JSON)."""
+    dump = getattr(spec, "model_dump", None)
+    payload = dump(mode="json") if callable(dump) else dict(spec)
+    job_id = new_job_id()
+    with db.session() as session:
+        session.execute(JOBS.insert().values(id=job_id, spec=payload, status=job_status_value(status)))
+    return job_id
+
+
+def set_job_status(db: Database, job_id: str, status: str, error: str | None = None) -> None:
+    """Set the status (and error, when given). A finished status stamps finished_at once; an
+    unfinished one (a resumed job) clears it."""
+    status = job_status_value(status)
+    values: dict[str, Any] = {"status": status}
+    if error is not None:
+        values["error"] = error
+    if status in FINISHED_JOB_STATUSES:
+        values["finished_at"] = func.coalesce(JOBS.c.finished_at, now_param())
+    else:
+        values["finished_at"] = None
+    with db.session() as session:
+        changed = session.execute(
+            update(JOBS).where(JOBS.c.id == job_id).values(**values).returning(JOBS.c.id)
+        )
+        if changed.first() is None:
+            raise JobNotFound(f"no job {job_id!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Tally:
+    sources: dict[str, int]
+    units: dict[str, int]
+    visual_tokens: int
+    cache_hits: int
+    cache_misses: int
+    results_total: int
+    results_failed: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def _tally(session: Session, job_id: str) -> _Tally:
+    """Everything close_job needs, counted from the rows (three aggregate queries)."""
+    sources_stmt = (
+        select(SOURCES.c.status, func.count()).where(SOURCES.c.job_id == job_id).group_by(SOURCES.c.status)
+    )
+    sources = {status: int(n) for status, n in session.execute(sources_stmt)}
+    units_stmt = (
+        select(
+            UNITS.c.status,
+            func.count(),
+            func.coalesce(func.sum(UNITS.c.visual_tokens), 0),
+            func.coalesce(func.sum(case((UNITS.c.cache_hit == true(), 1), else_=0)), 0),
+            func.coalesce(func.sum(case((UNITS.c.cache_hit == false(), 1), else_=0)), 0),
+        )
+        .where(UNITS.c.job_id == job_id)
+        .group_by(UNITS.c.status)
+    )
+    units: dict[str, int] = {}
+    tokens = hits = misses = 0
+    for status, n, status_tokens, status_hits, status_misses in session.execute(units_stmt):
+        units[status] = int(n)
+        tokens += int(status_tokens)
+        hits += int(status_hits)
+        misses += int(status_misses)
+    total, failed, prompt, completion = _result_totals(session, job_id)
+    return _Tally(sources, units, tokens, hits, misses, total, failed, prompt, completion)
+
+
+def _result_totals(session: Session, job_id: str) -> tuple[int, int, int, int]:
+    """(results, of which failed, prompt tokens, completion tokens) of a job."""
+    stmt = select(
+        func.count(),
+        func.count(RESULTS.c.error),
+        func.coalesce(func.sum(RESULTS.c.prompt_tokens), 0),
+        func.coalesce(func.sum(RESULTS.c.completion_tokens), 0),
+    ).where(RESULTS.c.job_id == job_id)
+    total, failed, prompt, completion = session.execute(stmt).one()
+    return int(total), int(failed), int(prompt), int(completion)
+
+
+def _final_status(current: str, tally: _Tally) -> str:
+    if current == JobStatus.CANCELLED:
+        return current
+    if tally.results_total - tally.results_failed == 0:
+        return JobStatus.FAILED.value
+    problems = (
+        tally.sources.get(SourceStatus.FAILED, 0)
+        + tally.sources.get(SourceStatus.PENDING, 0)  # never ingested
+        + tally.units.get(UnitStatus.FAILED, 0)
+        + _unfinished(tally)  # closed early
+        + tally.results_failed
+    )
+    return (JobStatus.PARTIAL if problems else JobStatus.SUCCEEDED).value
+
+
+def close_job(db: Database, job_id: str) -> str:
+    """Decide the final status from the rows, recount every counter, stamp finished_at (once).
+
+    succeeded: nothing failed or unfinished; failed: not one result without error; partial:
+    otherwise; a cancelled job stays cancelled. Idempotent.
+    """
+    with db.session() as session:
+        lock = select(JOBS.c.status, JOBS.c.error).where(JOBS.c.id == job_id).with_for_update()
+        job = session.execute(lock).one_or_none()
+        if job is None:
+            raise JobNotFound(f"no job {job_id!r}")
+        tally = _tally(session, job_id)
+        status = _final_status(job.status, tally)
+        values: dict[str, Any] = {
+            "status": status,
+            "finished_at": func.coalesce(JOBS.c.finished_at, now_param()),
+            "sources_total": sum(tally.sources.values()),
+            "sources_failed": tally.sources.get(SourceStatus.FAILED, 0),
+            "units_total": sum(tally.units.values()),
+            "units_failed": tally.units.get(UnitStatus.FAILED, 0),
+            # The countdown as it should be: unfinished units plus the holds of pending sources.
+            "units_pending": _unfinished(tally) + tally.sources.get(SourceStatus.PENDING, 0),
+            "results_total": tally.results_total,
+            "results_failed": tally.results_failed,
+            "cache_hits": tally.cache_hits,
+            "cache_misses": tally.cache_misses,
+            "visual_tokens": tally.visual_tokens,
+            "prompt_tokens": tally.prompt_tokens,
+            "completion_tokens": tally.completion_tokens,
+        }
+        if status == JobStatus.FAILED and job.error is None and not tally.sources:
+            values["error"] = "no input files found"
+        elif status == JobStatus.FAILED and job.error is None:
+            values["error"] = (
+                f"no successful result ({tally.sources.get(SourceStatus.FAILED, 0)} sources, "
+                f"{tally.units.get(UnitStatus.FAILED, 0)} units and {tally.results_failed} results failed)"
+            )
+        session.execute(update(JOBS).where(JOBS.c.id == job_id).values(**values))
+    return status
+
+
+def resolve_job_id(db: Database, job_id: str) -> str:
+    """The full id for a full id or a unique prefix (>= 6 hex digits), like git."""
+    with db.session(readonly=True) as session:
+        return resolve_in_session(session, job_id)
+
+
+def _errors_select(job_id: str) -> list[Select[Any]]:
+    """Failed sources, failed units, failed results: (source, unit, prompt, message)."""
+    failed_sources = (
+        select(
+            SOURCES.c.uri.label("source"),
+            null().label("unit"),
+            null().label("prompt"),
+            SOURCES.c.error.label("message"),
+        )
+        .where(SOURCES.c.job_id == job_id, SOURCES.c.status == SourceStatus.FAILED.value)
+        .order_by(SOURCES.c.uri)
+    )
+    failed_units = (
+        select(
+            SOURCES.c.uri.label("source"),
+            UNITS.c.unit_index.label("unit"),
+            null().label("prompt"),
+            UNITS.c.error.label("message"),
+        )
+        .join_from(UNITS, SOURCES, UNITS.c.source_id == SOURCES.c.id)
+        .where(UNITS.c.job_id == job_id, UNITS.c.status == UnitStatus.FAILED.value)
+        .order_by(SOURCES.c.uri, UNITS.c.unit_index)
+    )
+    failed_results = (
+        select(
+            SOURCES.c.uri.label("source"),
+            UNITS.c.unit_index.label("unit"),
+            RESULTS.c.prompt_index.label("prompt"),
+            RESULTS.c.error.label("message"),
+        )
+        .join_from(RESULTS, UNITS, RESULTS.c.unit_id == UNITS.c.id)
+        .join(SOURCES, UNITS.c.source_id == SOURCES.c.id)
+        .where(RESULTS.c.job_id == job_id, RESULTS.c.error.is_not(None))
+        .order_by(SOURCES.c.uri, UNITS.c.unit_index, RESULTS.c.prompt_index)
+    )
+    return [failed_sources, failed_units, failed_results]
+
+
+def _collect_errors(session: Session, job_id: str, cap: int) -> tuple[list[dict[str, Any]], bool]:
+    errors: list[dict[str, Any]] = []
+    for stmt in _errors_select(job_id):
+        room = cap + 1 - len(errors)  # one extra row tells us whether we truncated
+        if room <= 0:
+            break
+        for source, unit, prompt, message in session.execute(stmt.limit(room)):
+            errors.append({"source": source, "unit": unit, "prompt": prompt, "message": message or ""})
+    truncated = len(errors) > cap
+    return errors[:cap], truncated
+
+
+def job_summary(db: Database, job_id: str, *, max_errors: int = MAX_ERRORS) -> dict[str, Any]:
+    """Status, counters and errors of a job (id or unique prefix).
+
+    Result counts and token sums are counted live from the results table, so they are right
+    while the job still runs; the other counters are maintained as work happens.
+    """
+    with db.session(readonly=True) as session:
+        full_id = resolve_in_session(session, job_id)
+        job = session.execute(select(JOBS).where(JOBS.c.id == full_id)).one()
+        results_total, results_failed, prompt_tokens, completion_tokens = _result_totals(session, full_id)
+        errors, truncated = _collect_errors(session, full_id, max_errors)
+        from storage.token_report import token_report  # beside the tables it reads
+
+        tokens = token_report(session, full_id)
+    return {
+        "id": job.id,
+        "status": job.status,
+        "created_at": iso(job.created_at),
+        "updated_at": iso(job.updated_at),
+        "finished_at": iso(job.finished_at),
+        "spec": job.spec,
+        "error": job.error,
+        "sources_total": job.sources_total,
+        "sources_failed": job.sources_failed,
+        "units_total": job.units_total,
+        "units_failed": job.units_failed,
+        "units_pending": job.units_pending,
+        "results": results_total - results_failed,
+        "results_failed": results_failed,
+        "cache_hits": job.cache_hits,
+        "cache_misses": job.cache_misses,
+        "visual_tokens": job.visual_tokens,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "tokens": tokens,
+        "timing": _timing(job),
+        "errors": errors,
+        "errors_truncated": truncated,
+    }
+
+
+def _seconds_between(start: datetime | None, end: datetime | None) -> float | None:
+    return None if start is None or end is None else max(0.0, (end - start).total_seconds())
+
+
+def _timing(job: Any) -> dict[str, Any]:
+    """Wall time, time to the first result, each stage's busy time and pages (units) per second."""
+    wall = _seconds_between(job.started_at, job.finished_at or utcnow())
+    return {
+        "started_at": iso(job.started_at),
+        "first_result_at": iso(job.first_result_at),
+        "wall_seconds": wall,
+        "first_result_seconds": _seconds_between(job.started_at, job.first_result_at),
+        "busy_seconds": {stage: float(getattr(job, f"{stage}_seconds") or 0.0) for stage in STAGES},
+        "units_per_second": (job.units_total / wall) if wall else None,
+    }
+
+
+def list_jobs(db: Database, limit: int = 20) -> list[dict[str, Any]]:
+    """The newest jobs first, with their counters."""
+    stmt = select(JOBS).order_by(JOBS.c.created_at.desc(), JOBS.c.id).limit(limit)
+    with db.session(readonly=True) as session:
+        jobs = session.execute(stmt).all()
+    return [
+        {
+            "id": job.id,
+            "status": job.status,
+            "created_at": iso(job.created_at),
+            "finished_at": iso(job.finished_at),
+            "sources_total": job.sources_total,
+            "sources_failed": job.sources_failed,
+            "units_total": job.units_total,
+            "units_failed": job.units_failed,
+            "units_pending": job.units_pending,
+            "results_total": job.results_total,
+            "results_failed": job.results_failed,
+        }
+        for job in jobs
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class StartedJob:
+    job_id: str
+    sources: list[tuple[int, str]]  # (source id, uri) of every source to ingest, in the given order
+
+
+def start_job(db: Database, spec: Any, sources: Sequence[tuple[str, str | None]]) -> StartedJob:
+    """Create a running job with its sources in ONE transaction: the only way jobs start.
+
+    `sources` are (uri, error): a source given with an error (e.g. a file that does not exist) is
+    stored failed at once; every other source holds the job's countdown up until its ingest
+    completes (storage.sources). A job with no source to ingest is closed here (`failed`, and
+    "no input files found" when there was no source at all).
+    """
+    dump = getattr(spec, "model_dump", None)
+    payload = dump(mode="json") if callable(dump) else dict(spec)
+    job_id = new_job_id()
+    live: list[tuple[int, str]] = []
+    seen: set[str] = set()
+    now = utcnow()
+    with db.session() as session:
+        session.execute(
+            JOBS.insert().values(id=job_id, spec=payload, status=JobStatus.RUNNING.value, started_at=now)
+        )
+        for uri, error in sources:
+            if uri in seen:
+                continue  # one source per uri (the unique key)
+            seen.add(uri)
+            status = SourceStatus.FAILED if error else SourceStatus.PENDING
+            source_id = session.execute(
+                SOURCES.insert()
+                .values(job_id=job_id, uri=uri, status=status.value, error=error, created_at=now)
+                .returning(SOURCES.c.id)
+            ).scalar_one()
+            if not error:
+                live.append((int(source_id), uri))
+        bump(
+            session,
+            job_id,
+            sources_total=len(seen),
+            sources_failed=len(seen) - len(live),
+            units_pending=len(live),
+        )
+    if not live:
+        close_job(db, job_id)
+    return StartedJob(job_id, live)
+
+
+def close_finished(db: Database, remaining: Mapping[str, int]) -> dict[str, str]:
+    """Close every job whose countdown reached 0; returns {job_id: final status} of those closed."""
+    return {job_id: close_job(db, job_id) for job_id, left in sorted(remaining.items()) if left == 0}
+
+
+def job_state(db: Database, job_id: str) -> tuple[str, dict[str, Any]] | None:
+    """(status, spec) of a job, or None when it does not exist (a task for a deleted job is dropped)."""
+    with db.session(readonly=True) as session:
+        row = session.execute(select(JOBS.c.status, JOBS.c.spec).where(JOBS.c.id == job_id)).one_or_none()
+    return None if row is None else (row.status, row.spec)
+
+
+def finished_among(db: Database, job_ids: Sequence[str]) -> set[str]:
+    """The jobs among `job_ids` that are finished (cancelled above all) or gone: their work stops."""
+    ids = sorted(set(job_ids))
+    if not ids:
+        return set()
+    with db.session(readonly=True) as session:
+        rows = session.execute(select(JOBS.c.id, JOBS.c.status).where(JOBS.c.id.in_(ids))).all()
+    live = {row.id for row in rows if row.status not in FINISHED_JOB_STATUSES}
+    return set(ids) - live
+
+
+STAGES = ("ingest", "encode", "generate")
+
+
+def add_stage_seconds(db: Database, job_id: str, stage: str, seconds: float) -> None:
+    """Add a stage's busy time on a job (summed over every process that worked on it)."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}")
+    if seconds <= 0:
+        return
+    column = JOBS.c[f"{stage}_seconds"]
+    with db.session() as session:
+        session.execute(update(JOBS).where(JOBS.c.id == job_id).values({column: column + seconds}))
+
+
+@dataclass(frozen=True, slots=True)
+class ReopenedJob:
+    job_id: str
+    sources: list[tuple[int, str]]  # (source id, uri) to ingest again (or for the first time)
+    units_reset: int  # failed units given another try
+    results_retried: int  # units whose failed answers are asked again
+
+
+def reopen_job(db: Database, job_id: str) -> ReopenedJob:
+    """Make a stopped job (cancelled, interrupted, failed or partial) runnable again, in place.
+
+    Kept: every stored unit (so no page is rendered again) and every good result. Retried:
+    sources that never completed or failed, units that failed after ingest (they have an image),
+    and the units whose answers failed (their failed answers are asked again). The countdown is
+    recounted from the rows. Raises ValueError for a job that succeeded.
+    """
+    with db.session() as session:
+        full_id = resolve_in_session(session, job_id)
+        job = session.execute(select(JOBS.c.status).where(JOBS.c.id == full_id).with_for_update()).one()
+        if job.status == JobStatus.SUCCEEDED:
+            raise ValueError(f"job {full_id} succeeded: nothing to resume")
+        session.execute(
+            update(SOURCES)
+            .where(SOURCES.c.job_id == full_id, SOURCES.c.status == SourceStatus.FAILED.value)
+            .values(status=SourceStatus.PENDING.value, error=None)
+        )
+        units_reset = session.execute(
+            update(UNITS)
+            .where(
+                UNITS.c.job_id == full_id,
+                UNITS.c.status == UnitStatus.FAILED.value,
+                UNITS.c.image_key.is_not(None),
+            )
+            .values(status=UnitStatus.PENDING.value, error=None)
+            .returning(UNITS.c.id)
+        ).all()
+        with_failed_answers = select(RESULTS.c.unit_id).where(
+            RESULTS.c.job_id == full_id, RESULTS.c.error.is_not(None)
+        )
+        results_retried = session.execute(
+            update(UNITS)
+            .where(UNITS.c.status == UnitStatus.DONE.value, UNITS.c.id.in_(with_failed_answers))
+            .values(status=UnitStatus.ENCODED.value)
+            .returning(UNITS.c.id)
+        ).all()
+        tally = _tally(session, full_id)
+        pending_sources = tally.sources.get(SourceStatus.PENDING, 0)
+        session.execute(
+            update(JOBS)
+            .where(JOBS.c.id == full_id)
+            .values(
+                status=JobStatus.RUNNING.value,
+                error=None,
+                finished_at=None,
+                sources_failed=tally.sources.get(SourceStatus.FAILED, 0),
+                units_failed=tally.units.get(UnitStatus.FAILED, 0),
+                units_pending=_unfinished(tally) + pending_sources,
+            )
+        )
+        stmt = (
+            select(SOURCES.c.id, SOURCES.c.uri)
+            .where(SOURCES.c.job_id == full_id, SOURCES.c.status == SourceStatus.PENDING.value)
+            .order_by(SOURCES.c.uri)
+        )
+        sources = [(int(row.id), row.uri) for row in session.execute(stmt)]
+    return ReopenedJob(full_id, sources, len(units_reset), len(results_retried))
+
+
+def _unfinished(tally: _Tally) -> int:
+    return sum(tally.units.get(status, 0) for status in UNFINISHED_UNITS)

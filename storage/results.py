@@ -1,0 +1,170 @@
+"""Results: one row per unit x prompt, upserted so that a retry never duplicates one."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from storage.db import Database
+from storage.models import utcnow
+from storage.rows import ResultRow
+from storage.sql import JOBS, RESULTS, SOURCES, UNITS, chunks, dialect_insert, now_param, resolve_in_session
+from storage.units import finish_units_in
+
+# On a retry everything but identity and created_at is replaced.
+_RESULT_UPDATE_COLUMNS = (
+    "output",
+    "text",
+    "error",
+    "prompt_tokens",
+    "visual_tokens",
+    "completion_tokens",
+    "finish_reason",
+    "model",
+    "engine",
+    "cache_hit",
+    "latency_ms",
+    "pruned_tokens",
+    "merged_tokens",
+    "updated_at",
+)
+
+
+def _params(job_id: str, row: ResultRow, now: Any) -> dict[str, Any]:
+    return {
+        "unit_id": row.unit_id,
+        "job_id": job_id,
+        "prompt_index": row.prompt_index,
+        "output": row.output,
+        "text": row.text,
+        "error": row.error,
+        "prompt_tokens": row.prompt_tokens,
+        "visual_tokens": row.visual_tokens,
+        "completion_tokens": row.completion_tokens,
+        "finish_reason": row.finish_reason,
+        "model": row.model,
+        "engine": row.engine,
+        "cache_hit": row.cache_hit,
+        "latency_ms": row.latency_ms,
+        "pruned_tokens": row.pruned_tokens,
+        "merged_tokens": row.merged_tokens,
+        "created_at": now,
+        "updated_at": now,
+    }
+
+
+def _upsert(db: Database, session: Session, rows: Sequence[tuple[str, ResultRow]]) -> set[str]:
+    """Upsert the rows; returns the ids of the jobs they belong to."""
+    now = utcnow()
+    # Last one wins for a key repeated within the call: PostgreSQL refuses to update one row
+    # twice in one statement if the driver ever batches the executemany into multi-VALUES.
+    latest = {(row.unit_id, row.prompt_index): (job_id, row) for job_id, row in rows}
+    if not latest:
+        return set()
+    stmt = dialect_insert(db, RESULTS)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[RESULTS.c.unit_id, RESULTS.c.prompt_index],
+        set_={name: stmt.excluded[name] for name in _RESULT_UPDATE_COLUMNS},
+    )
+    session.execute(stmt, [_params(job_id, row, now) for job_id, row in latest.values()])
+    return {job_id for job_id, _ in latest.values()}
+
+
+def _stamp_first_result(session: Session, job_ids: set[str]) -> None:
+    # The first stored result of a job is its time to first result (streaming's measure). Jobs
+    # are locked last (the lock order: sources -> units -> jobs).
+    for job_id in sorted(job_ids):
+        session.execute(
+            update(JOBS)
+            .where(JOBS.c.id == job_id, JOBS.c.first_result_at.is_(None))
+            .values(first_result_at=now_param())
+        )
+
+
+def upsert_results(db: Database, job_id: str, rows: Sequence[ResultRow]) -> int:
+    """Write results in one bulk INSERT .. ON CONFLICT (unit_id, prompt_index) DO UPDATE.
+
+    All rows must belong to ``job_id``. Returns the number of rows written.
+    """
+    with db.session() as session:
+        jobs = _upsert(db, session, [(job_id, row) for row in rows])
+        _stamp_first_result(session, jobs)
+    return len({(row.unit_id, row.prompt_index) for row in rows})
+
+
+def store_results(
+    db: Database, rows: Sequence[tuple[str, ResultRow]], finished_units: Sequence[int] = ()
+) -> dict[str, int]:
+    """Upsert (job_id, result) pairs and mark `finished_units` done, in one transaction, so a crash
+    never leaves a unit done without its results. Returns ``{job_id: units left}`` (finish_units)."""
+    with db.session() as session:
+        jobs = _upsert(db, session, rows)
+        remaining = finish_units_in(session, finished_units)
+        _stamp_first_result(session, jobs)
+    return remaining
+
+
+def answered_prompts(db: Database, unit_ids: Sequence[int]) -> dict[int, set[int]]:
+    """Prompt indexes each unit already has a result for, errors excluded (a resumed job asks the rest)."""
+    answered: dict[int, set[int]] = defaultdict(set)
+    with db.session(readonly=True) as session:
+        for chunk in chunks(sorted(set(unit_ids))):
+            stmt = select(RESULTS.c.unit_id, RESULTS.c.prompt_index).where(
+                RESULTS.c.unit_id.in_(chunk), RESULTS.c.error.is_(None)
+            )
+            for unit_id, prompt_index in session.execute(stmt):
+                answered[int(unit_id)].add(int(prompt_index))
+    return answered
+
+
+_RESULT_COLUMNS = (
+    SOURCES.c.uri.label("source"),
+    SOURCES.c.kind.label("kind"),
+    UNITS.c.unit_index.label("unit"),
+    UNITS.c.timestamp.label("timestamp"),
+    UNITS.c.width.label("width"),
+    UNITS.c.height.label("height"),
+    RESULTS.c.prompt_index.label("prompt_index"),
+    RESULTS.c.output.label("output"),
+    RESULTS.c.text.label("text"),
+    RESULTS.c.error.label("error"),
+    RESULTS.c.prompt_tokens.label("prompt_tokens"),
+    RESULTS.c.visual_tokens.label("visual_tokens"),
+    RESULTS.c.completion_tokens.label("completion_tokens"),
+    RESULTS.c.finish_reason.label("finish_reason"),
+    RESULTS.c.model.label("model"),
+    RESULTS.c.engine.label("engine"),
+    RESULTS.c.cache_hit.label("cache_hit"),
+    RESULTS.c.latency_ms.label("latency_ms"),
+    RESULTS.c.pruned_tokens.label("pruned_tokens"),
+    RESULTS.c.merged_tokens.label("merged_tokens"),
+)
+
+
+def iter_results(db: Database, job_id: str, *, chunk_size: int = 1000) -> Iterator[dict[str, Any]]:
+    """All results of a job (id or unique prefix) ordered by source uri, unit, prompt; streamed.
+
+    The id is checked now (JobNotFound is raised here, not at the first ``next``); rows are then
+    fetched ``chunk_size`` at a time (a server-side cursor on PostgreSQL).
+    """
+    with db.session(readonly=True) as session:
+        full_id = resolve_in_session(session, job_id)
+    return _stream_results(db, full_id, chunk_size)
+
+
+def _stream_results(db: Database, job_id: str, chunk_size: int) -> Iterator[dict[str, Any]]:
+    stmt = (
+        select(*_RESULT_COLUMNS)
+        .join_from(RESULTS, UNITS, RESULTS.c.unit_id == UNITS.c.id)
+        .join(SOURCES, UNITS.c.source_id == SOURCES.c.id)
+        .where(RESULTS.c.job_id == job_id)
+        .order_by(SOURCES.c.uri, UNITS.c.unit_index, RESULTS.c.prompt_index)
+        .execution_options(yield_per=chunk_size)
+    )
+    with db.session(readonly=True) as session:
+        for row in session.execute(stmt):
+            yield dict(row._mapping)

@@ -1,0 +1,13 @@
+"""The stage layer: every stage of a job, once, with its bookkeeping; the drivers are thin.
+
+  start     a job and its sources (holds on the countdown), or a stopped job reopened
+  ingest    one source (or a range of its pages) -> unit rows; the units to encode next
+  encode    units -> cached visual tokens; the units to generate next
+  generate  a loop that keeps the engine's window full and stores results as they finish
+
+Each stage owns its counters, holds and closing: whatever takes a job's countdown to 0 closes
+it. The embedded run (worker.embedded) connects the stages with bounded queues in one process;
+the fleet (worker.tasks) runs the same functions in Celery tasks, like datatrove's local and
+Slurm executors run the same steps. Nothing here imports torch at module level: the ingest
+stage runs on CPU-only machines.
+"""

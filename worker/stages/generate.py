@@ -1,0 +1,373 @@
+"""The generate stage: keep the engine full, store each unit's results as soon as they are all in.
+
+`GenerateLoop` is driven by one thread. Units come in with their job's spec; each is asked the
+prompts it has no good answer to yet (all of them, unless a job is resumed or a message
+redelivered), all its requests added to the engine together (vLLM's prefix cache then serves the
+image to every prompt after the first). The loop keeps up to `window` requests in flight and
+refills as they finish, so vLLM's scheduler always has hundreds of sequences to run instead of
+one small batch at a time; the transformers engine packs what is queued into static batches.
+A unit's results are stored, and the unit marked done, in one transaction (storage.results);
+writes are grouped (every FLUSH_UNITS units or FLUSH_SECONDS), never per request.
+
+Every POLL_SECONDS the jobs in flight are looked up: a job cancelled (`visbatch cancel`, or
+finished for any reason) has its requests aborted in the engine at once, mid-batch included, and
+nothing more of it is stored.
+
+`GenerateService` runs a loop in its own thread behind a thread-safe inbox: the embedded run's
+encode thread and a fleet worker's task threads submit units and wait (a Future) until their
+results are stored; Celery acknowledges a message only then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from ingest.spec import JobSpec
+from storage import repository as repo
+from storage.rows import ResultRow, UnitTask
+from worker.request_builder import Prepared
+from worker.retry import describe
+from worker.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+FLUSH_UNITS = 32
+FLUSH_SECONDS = 0.5
+POLL_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class UnitsOutcome:
+    """What became of the units of one submission."""
+
+    stored: int = 0  # units whose results are stored (and marked done)
+    dropped: int = 0  # units of a job that was cancelled or finished meanwhile
+
+
+class ServiceClosed(RuntimeError):
+    """The service stopped (the worker is shutting down) before these units were answered."""
+
+
+@dataclass
+class _Work:
+    unit: UnitTask
+    spec: JobSpec
+    waiting: int
+    rows: list[ResultRow] = field(default_factory=list)
+    tickets: list[_Ticket] = field(default_factory=list)
+
+
+@dataclass
+class _Ticket:
+    """One submission: its Future resolves once every one of its units is stored or dropped."""
+
+    future: Future
+    left: int
+    stored: int = 0
+    dropped: int = 0
+
+    def fail(self, error: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+    def settle(self, *, stored: bool) -> None:
+        if stored:
+            self.stored += 1
+        else:
+            self.dropped += 1
+        self.left -= 1
+        if self.left == 0 and not self.future.done():
+            self.future.set_result(UnitsOutcome(self.stored, self.dropped))
+
+
+class GenerateLoop:
+    def __init__(self, rt: Runtime, *, window: int | None = None) -> None:
+        self.rt = rt
+        self.engine = rt.engine
+        self.builder = rt.requests
+        self.window = window or rt.generate_window
+        self._requests: dict[str, tuple[Prepared, float]] = {}  # request id -> (request, added at)
+        self._work: dict[int, _Work] = {}  # unit id -> its requests in flight
+        self._answered: list[_Work] = []  # every request answered, results not yet stored
+        self._busy: dict[str, float] = defaultdict(float)  # job -> engine seconds not yet recorded
+        self._flushed_at = self._polled_at = time.monotonic()
+        self.results_stored = 0
+        self.busy_seconds = 0.0
+
+    # --- taking work ---------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+    @property
+    def has_room(self) -> bool:
+        return self.in_flight < self.window
+
+    @property
+    def idle(self) -> bool:
+        return not self._requests and not self._answered
+
+    def jobs(self) -> set[str]:
+        return {w.unit.job_id for w in self._work.values()} | {w.unit.job_id for w in self._answered}
+
+    def add(self, items: list[tuple[UnitTask, JobSpec]], ticket: _Ticket | None = None) -> None:
+        """Ask each unit the prompts it has no good answer to yet; all of a unit's requests together."""
+        fresh = [(u, s) for u, s in items if u.unit_id not in self._work]
+        for unit, _ in items:
+            if unit.unit_id in self._work and ticket is not None:  # redelivered while in flight
+                self._work[unit.unit_id].tickets.append(ticket)
+        try:
+            answered = self.rt.retry.call(
+                lambda: repo.answered_prompts(self.rt.db, [u.unit_id for u, _ in fresh]),
+                what="reading answers",
+            )
+        except Exception as exc:  # the database stayed away: these units are not taken
+            if ticket is not None:
+                ticket.fail(exc)
+            return
+        for unit, spec in fresh:
+            prompts = [p for p in range(len(spec.prompts)) if p not in answered.get(unit.unit_id, ())]
+            work = _Work(unit, spec, waiting=len(prompts), tickets=[ticket] if ticket else [])
+            if not prompts:  # every answer is stored already: only the unit's state is left
+                self._answered.append(work)
+                continue
+            self._work[unit.unit_id] = work
+            now = time.monotonic()
+            for prepared in self.builder.prepare(unit, spec, prompts):
+                request_id = f"{unit.unit_id}:{prepared.prompt_index}"
+                if prepared.request is None:
+                    self._answer(work, self.builder.row(prepared, None, 0.0))
+                    continue
+                self._requests[request_id] = (prepared, now)
+                self.engine.add(request_id, prepared.request)
+
+    # --- running -------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One engine step; what finished is stored when a flush is due; cancels are looked for."""
+        if self.engine.unfinished:
+            jobs = {prepared.unit.job_id for prepared, _ in self._requests.values()}
+            started = time.monotonic()
+            try:
+                finished = self.engine.step()
+            except Exception as exc:  # a dead engine: every request in flight fails, the loop lives
+                log.exception("the engine failed")
+                finished = []
+                self._fail_in_flight(f"engine failed: {describe(exc)}")
+            elapsed = time.monotonic() - started
+            self.busy_seconds += elapsed
+            for job_id in jobs:
+                self._busy[job_id] += elapsed
+            now = time.monotonic()
+            for request_id, generation in finished:
+                entry = self._requests.pop(request_id, None)
+                if entry is None:
+                    continue  # aborted meanwhile
+                prepared, added = entry
+                work = self._work.get(prepared.unit.unit_id)
+                if work is not None:
+                    self._answer(work, self.builder.row(prepared, generation, (now - added) * 1000.0))
+        self._maybe_poll()
+        if self._answered and (
+            len(self._answered) >= FLUSH_UNITS
+            or not self._requests
+            or time.monotonic() - self._flushed_at >= FLUSH_SECONDS
+        ):
+            self.flush()
+
+    def run_until_idle(self) -> None:
+        while not self.idle:
+            self.step()
+        self.flush()
+
+    def _answer(self, work: _Work, row: ResultRow) -> None:
+        work.rows.append(row)
+        work.waiting -= 1
+        if work.waiting == 0:
+            self._work.pop(work.unit.unit_id, None)
+            self._answered.append(work)
+
+    def _fail_in_flight(self, message: str) -> None:
+        self.engine.request_abort(list(self._requests))
+        requests, self._requests = self._requests, {}
+        for prepared, _ in requests.values():
+            work = self._work.get(prepared.unit.unit_id)
+            if work is not None:
+                self._answer(work, dataclasses.replace(self.builder.row(prepared, None, 0.0), error=message))
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def flush(self) -> None:
+        """Store every answered unit's results and mark it done (one transaction); record busy time."""
+        answered, self._answered = self._answered, []
+        self._flushed_at = time.monotonic()
+        if answered:
+            rows = [(w.unit.job_id, row) for w in answered for row in w.rows]
+            try:
+                remaining = self.rt.retry.call(
+                    lambda: repo.store_results(self.rt.db, rows, [w.unit.unit_id for w in answered]),
+                    what="storing results",
+                )
+                self.rt.retry.call(lambda: repo.close_finished(self.rt.db, remaining), what="closing jobs")
+            except Exception as exc:
+                # The database stayed away through every retry: these units stay encoded, and
+                # their submitters hear why (a fleet task retries them; the embedded run stops).
+                log.error("could not store the results of %d units: %s", len(answered), describe(exc))
+                for work in answered:
+                    for ticket in work.tickets:
+                        ticket.fail(exc)
+            else:
+                self.results_stored += len(rows)
+                for work in answered:
+                    for ticket in work.tickets:
+                        ticket.settle(stored=True)
+        busy, self._busy = self._busy, defaultdict(float)
+        try:
+            for job_id, seconds in busy.items():
+                repo.add_stage_seconds(self.rt.db, job_id, "generate", seconds)
+        except Exception as exc:  # a statistic: never worth failing work for
+            log.warning("could not record generate time: %s", describe(exc))
+
+    # --- stopping work -------------------------------------------------------------------------
+
+    def _maybe_poll(self) -> None:
+        if time.monotonic() - self._polled_at < POLL_SECONDS:
+            return
+        self._polled_at = time.monotonic()
+        jobs = self.jobs()
+        if not jobs:
+            return
+        try:
+            stopped = repo.finished_among(self.rt.db, sorted(jobs))
+        except Exception as exc:  # the database away: look again at the next poll
+            log.warning("could not look up the jobs in flight: %s", describe(exc))
+            return
+        if stopped:
+            self.drop_jobs(stopped)
+
+    def drop_jobs(self, job_ids: set[str], error: BaseException | None = None) -> int:
+        """Abort these jobs' requests in the engine and forget their units; returns units dropped.
+
+        Their submitters hear "dropped" (the job stopped: nothing more to do), or `error` (the
+        work was not done and must be done elsewhere: a fleet worker shutting down requeues it).
+        """
+        doomed = [rid for rid, (p, _) in self._requests.items() if p.unit.job_id in job_ids]
+        self.engine.request_abort(doomed)
+        for request_id in doomed:
+            del self._requests[request_id]
+        dropped = [w for w in self._work.values() if w.unit.job_id in job_ids]
+        dropped += [w for w in self._answered if w.unit.job_id in job_ids]
+        self._answered = [w for w in self._answered if w.unit.job_id not in job_ids]
+        for work in dropped:
+            self._work.pop(work.unit.unit_id, None)
+            for ticket in work.tickets:
+                if error is not None:
+                    ticket.fail(error)
+                else:
+                    ticket.settle(stored=False)
+        if dropped:
+            log.info("dropped %d units of stopped job(s) %s", len(dropped), ", ".join(sorted(job_ids)))
+        return len(dropped)
+
+    def drop_all(self, error: BaseException | None = None) -> None:
+        self.drop_jobs(self.jobs(), error)
+
+
+class GenerateService:
+    """A GenerateLoop in its own thread, fed through a thread-safe inbox."""
+
+    def __init__(
+        self, rt: Runtime, *, window: int | None = None, max_waiting_units: int | None = None
+    ) -> None:
+        self.loop = GenerateLoop(rt, window=window)
+        self._inbox: queue.Queue[tuple[list[tuple[UnitTask, JobSpec]], _Ticket]] = queue.Queue()
+        # Backpressure for the embedded run: submit blocks while this many units wait in the inbox.
+        self._room = threading.BoundedSemaphore(max_waiting_units) if max_waiting_units else None
+        self._closing = threading.Event()
+        self._aborted = threading.Event()  # from now on, everything is dropped
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="generate", daemon=True)
+        self._thread.start()
+
+    def submit(self, items: list[tuple[UnitTask, JobSpec]]) -> Future:
+        """Units to answer; the Future gives a UnitsOutcome once all are stored (or dropped)."""
+        future: Future = Future()
+        if not items:
+            future.set_result(UnitsOutcome())
+            return future
+        if self._aborted.is_set():
+            future.set_result(UnitsOutcome(dropped=len(items)))
+            return future
+        if self._closing.is_set():
+            future.set_exception(ServiceClosed("the generate service is closed"))
+            return future
+        if self._room is not None:
+            while not self._room.acquire(timeout=0.2):
+                if self._closing.is_set():
+                    future.set_exception(ServiceClosed("the generate service is closed"))
+                    return future
+        self._inbox.put((items, _Ticket(future, left=len(items))))
+        return future
+
+    def _take(self, timeout: float) -> bool:
+        try:
+            items, ticket = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return False
+        if self._room is not None:
+            self._room.release()
+        if self._aborted.is_set():
+            ticket.future.set_result(UnitsOutcome(dropped=len(items)))
+        else:
+            self.loop.add(items, ticket)
+        return True
+
+    def _run(self) -> None:
+        loop = self.loop
+        try:
+            while not self._closing.is_set():
+                if self._aborted.is_set() and not loop.idle:
+                    loop.drop_all()
+                while loop.has_room and self._take(0 if not loop.idle else 0.05):
+                    pass
+                loop.step()
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiter and to the driver
+            log.exception("generate service failed")
+            self.error = exc
+            self._closing.set()  # no more submissions: a new service takes over (worker.tasks)
+        finally:
+            # What was not stored must be done elsewhere: its submitters hear why.
+            loop.drop_all(self.error or ServiceClosed("the generate service stopped"))
+            self._fail_waiting()
+
+    def _fail_waiting(self) -> None:
+        while True:
+            try:
+                _, ticket = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if not ticket.future.done():
+                ticket.future.set_exception(self.error or ServiceClosed("the generate service stopped"))
+
+    def abort_all(self) -> None:
+        """Stop every request in flight now and drop all work from here on (from any thread): the
+        run is being stopped. A transformers batch stops at its next decode step."""
+        self._aborted.set()
+        self.loop.engine.request_abort(self.loop.request_ids())
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._closing.is_set()
+
+    def close(self, timeout: float | None = None) -> None:
+        self._closing.set()
+        self._thread.join(timeout)

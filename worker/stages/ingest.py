@@ -1,0 +1,164 @@
+"""The ingest stage: one source (or one range of a PDF's pages) split into stored units.
+
+The source is split in this thread's sandboxed child (ingest.isolation); its units are counted
+under the job's visual-token budget (ingest.budget_rows, the model's token rule from its JSON
+files: no torch) and stored in small chunks, each handed at once to `on_units`, so the first
+page reaches the encoder while later pages still render. When the source is complete its hold
+on the job's countdown is released, and the job closed if that was the last thing it waited for.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ingest.budget_rows import SourceBudget
+from ingest.isolation import SourceInfo
+from ingest.spec import JobSpec
+from ingest.stage import check_source
+from ingest.units import SourceError, UnitSelection
+from storage import repository as repo
+from storage.rows import UnitRow, UnitTask
+from worker.runtime import Runtime
+
+UNIT_CHUNK = 64  # rows per insert: bounds memory on 2,000-page PDFs
+FLUSH_SECONDS = 0.5  # a chunk goes on to encode at most this long after its first unit
+
+OnUnits = Callable[[list[UnitTask]], None]
+
+
+@dataclass
+class IngestStep:
+    units_stored: int = 0
+    # Where the next range of pages starts (a fleet task hands it on); None: nothing left.
+    next_position: int | None = None
+    stopped: bool = False  # the run is stopping: the source stays pending, to be resumed
+    closed: dict[str, str] = field(default_factory=dict)  # jobs this step closed -> status
+
+
+class _Chunks:
+    """Stores rows in chunks (by count or age) and hands each chunk's pending units on."""
+
+    def __init__(self, rt: Runtime, job_id: str, source_id: int, uri: str, on_units: OnUnits | None) -> None:
+        self.rt, self.job_id, self.source_id, self.uri = rt, job_id, source_id, uri
+        self.on_units = on_units
+        self.kind: str | None = None
+        self.rows: list[UnitRow] = []
+        self.first_at = 0.0
+        self.stored = 0
+
+    def add(self, row: UnitRow) -> None:
+        if not self.rows:
+            self.first_at = time.monotonic()
+        self.rows.append(row)
+        if len(self.rows) >= UNIT_CHUNK or time.monotonic() - self.first_at >= FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        rows, self.rows = self.rows, []
+        ids = repo.add_units(self.rt.db, self.job_id, self.source_id, rows)
+        self.stored += len(rows)
+        pending = [
+            UnitTask(
+                unit_id=unit_id,
+                job_id=self.job_id,
+                source_id=self.source_id,
+                source_uri=self.uri,
+                kind=self.kind,
+                index=row.index,
+                image_key=row.image_key,
+                visual_tokens=row.visual_tokens,
+                width=row.width,
+                height=row.height,
+                cache_key=None,
+                cache_hit=None,
+                timestamp=row.timestamp,
+                min_pixels=row.min_pixels,
+                max_pixels=row.max_pixels,
+            )  # fmt: skip
+            for unit_id, row in zip(ids, rows, strict=True)
+            if row.error is None and row.skip_reason is None
+        ]
+        if pending and self.on_units is not None:
+            self.on_units(pending)
+
+
+def ingest_source(
+    rt: Runtime,
+    job_id: str,
+    source_id: int,
+    uri: str,
+    path: Path,
+    spec: JobSpec,
+    *,
+    selection: UnitSelection | None = None,
+    on_units: OnUnits | None = None,
+    stop: threading.Event | None = None,
+    time_budget: float | None = None,
+) -> IngestStep:
+    """Split `path` (the source `uri` of the job) into stored units, those `selection` picks.
+
+    Units that fail alone (a page that does not render) are stored failed; a source that cannot
+    be read at all fails with the reason. A transient error (the database away) is raised for
+    the retry policy: rows are upserted, so a retried step redoes nothing twice. With a
+    `time_budget` (seconds), a range of a PDF's pages ends early once it is spent (slow pages):
+    `next_position` then says where the rest starts.
+    """
+    selection = selection or UnitSelection()
+    started = time.monotonic()
+    seen = 0  # rows read from the child: one per page of the range (no skip with a time budget)
+    step = IngestStep()
+    chunks = _Chunks(rt, job_id, source_id, uri, on_units)
+    info: SourceInfo | None = None
+    error: str | None = None
+    try:
+        check_source(path, rt.limits)
+        items = rt.splitter().split(path, spec.ingest, selection)
+        first = next(items)
+        assert isinstance(first, SourceInfo)
+        info = first
+        chunks.kind = info.kind
+        # The job's visual-token budget: bounds per unit, skipped frames, the per-video cap.
+        budget = SourceBudget.for_job(spec, rt.token_rule)
+        timed = time_budget is not None and info.units is not None and not selection.skip
+        for row in budget.rows(items, info.kind, rt.limits.max_visual_tokens):
+            chunks.add(row)
+            seen += 1
+            if stop is not None and stop.is_set():
+                step.stopped = True
+                break
+            if timed and time.monotonic() - started > time_budget and seen < _range_size(selection, info):
+                rt.splitter().close()  # the child would render the rest of the range for nothing
+                step.next_position = selection.first + seen
+                break
+    except SourceError as exc:
+        error = str(exc)
+    finally:
+        chunks.flush()  # units done before a failure (or a stop) are kept
+        step.units_stored = chunks.stored
+        repo.add_stage_seconds(rt.db, job_id, "ingest", time.monotonic() - started)
+    if stop is not None and stop.is_set():
+        step.stopped = True  # a failure caused by the stop (the child killed) is no failure
+        return step
+    if error is None and info is not None and info.units is not None and step.next_position is None:
+        end = selection.first + (selection.limit if selection.limit is not None else info.units)
+        if end < info.units:
+            step.next_position = end
+    if error is None and step.next_position is not None:
+        return step
+    facts = {"kind": info.kind, "sha256": info.sha256, "size": info.size} if info else {}
+    remaining = repo.complete_source(rt.db, source_id, error=error, **facts)
+    step.closed = repo.close_finished(rt.db, remaining)
+    return step
+
+
+def _range_size(selection: UnitSelection, info: SourceInfo) -> int:
+    """Pages in this range of the source."""
+    total = info.units or 0
+    end = total if selection.limit is None else min(total, selection.first + selection.limit)
+    return max(0, end - selection.first)

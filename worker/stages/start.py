@@ -1,0 +1,49 @@
+"""Starting a job (its sources, their holds) and reopening a stopped one: the same for both drivers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ingest.spec import JobSpec
+from storage import repository as repo
+from worker.runtime import Runtime
+
+
+@dataclass(frozen=True)
+class SourceInput:
+    """One input as the user named it (`uri`: shown in status and results), where a worker reads
+    it (`location`: a local path, store:<key> or s3://...), or why it cannot be read (`error`)."""
+
+    uri: str
+    location: str | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SourceToIngest:
+    source_id: int
+    uri: str
+    location: str
+
+
+def start_job(rt: Runtime, spec: JobSpec, inputs: list[SourceInput]) -> tuple[str, list[SourceToIngest]]:
+    """Create the job (running, spec with the runtime's model) and its sources in one transaction.
+
+    Returns the job id and the sources to ingest. An input given with an error is a failed
+    source; a job with nothing to ingest is already closed when this returns.
+    """
+    job_spec = spec.model_copy(update={"model": rt.model_name})
+    pairs = [(i.uri, i.error or (None if i.location else "file not found")) for i in inputs]
+    started = repo.start_job(rt.db, job_spec, pairs)
+    location = {i.uri: i.location for i in inputs}
+    return started.job_id, [
+        SourceToIngest(source_id, uri, location[uri] or uri) for source_id, uri in started.sources
+    ]
+
+
+def reopen_job(rt: Runtime, job_id: str) -> tuple[repo.ReopenedJob, JobSpec]:
+    """A stopped job made runnable again in place (storage.jobs.reopen_job), with its spec."""
+    reopened = repo.reopen_job(rt.db, job_id)
+    state = repo.job_state(rt.db, reopened.job_id)
+    assert state is not None
+    return reopened, JobSpec.model_validate(state[1])
