@@ -184,10 +184,19 @@ def _run_embedded(rt: Any, start: Any) -> None:
             start(embedded, on_job)
     summary = repo.job_summary(rt.db, job["id"])
     _print_summary(summary)
+    done = embedded.work_done()
+    console.print(
+        f"this run: {done['split']} pages/frames split, {done['tower_images']} images through the "
+        f"vision tower, {done['answers']} answers generated",
+        soft_wrap=True,
+        highlight=False,
+    )
     if embedded.stop_reason is not None:
         console.print(
             f"stopped: job {job['id']} cancelled ({embedded.stop_reason}); finished work is kept. "
-            f"Resume with: visbatch resume {job['id']}"
+            f"Resume with: visbatch resume {job['id']}",
+            soft_wrap=True,  # one line, also in a log file
+            highlight=False,
         )
         raise typer.Exit(EXIT_INTERRUPTED)
     if summary["status"] != "succeeded":

@@ -68,6 +68,7 @@ class Stopped(Exception):
 @dataclass
 class _Counts:
     sources_done: int = 0
+    split: int = 0  # pages and frames this run rendered or decoded and stored
     units: int = 0
     encoded: int = 0
     answered_units: int = 0
@@ -138,7 +139,12 @@ class EmbeddedRun:
         resuming: bool = False,
     ) -> None:
         rt = self.rt
-        generate = GenerateService(rt, max_waiting_units=QUEUE_UNITS)
+        generate = GenerateService(
+            rt,
+            max_waiting_units=QUEUE_UNITS,
+            # `visbatch cancel` from another terminal: the whole run stops, not only generation.
+            on_jobs_stopped=lambda _: self.request_stop("cancelled from another process"),
+        )
         to_encode: queue.Queue[list[UnitTask] | None] = queue.Queue(maxsize=max(1, QUEUE_UNITS // 8))
         waits: list[Future] = []
         watcher = threading.Thread(target=self._watch_stop, args=(generate,), name="stop", daemon=True)
@@ -166,7 +172,17 @@ class EmbeddedRun:
             generate.close()
             rt.close_splitters()
             self.stop.set()  # releases the watcher
+        self.answers = generate.loop.results_stored
         self._finish(job_id, generate)
+
+    def work_done(self) -> dict[str, int]:
+        """What this run did (a resumed job shows that nothing was done twice)."""
+        tokens = self.rt.__dict__.get("tokens")  # None: the model was never needed
+        return {
+            "split": self._counts.split,
+            "tower_images": tokens.stats.images_encoded if tokens is not None else 0,
+            "answers": getattr(self, "answers", 0),
+        }
 
     def _ingest_all(
         self,
@@ -193,7 +209,7 @@ class EmbeddedRun:
                 with contextlib.suppress(Stopped):  # stored and pending: a resumed job encodes them
                     self._put(to_encode, units)
 
-            self.rt.retry.call(
+            step = self.rt.retry.call(
                 lambda: ingest_source(
                     self.rt,
                     job_id,
@@ -210,6 +226,7 @@ class EmbeddedRun:
             )
             with self._counts.lock:
                 self._counts.sources_done += 1
+                self._counts.split += step.units_stored
             self.progress.update("sources", self._counts.sources_done, len(sources))
 
         workers = max(1, min(self.rt.settings.ingest_workers, len(sources) or 1))

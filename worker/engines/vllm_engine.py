@@ -117,10 +117,13 @@ class PrefixCacheCounts:
     cached_tokens: int = 0
 
 
-def _add_requests(llm: Any, prompts: list[dict[str, Any]], params: list[Any]) -> list[str]:
-    """Add requests to the in-process LLM exactly as LLM.generate does (same rendering of the
-    prompt and its embeddings, FINAL_ONLY outputs), without running the engine."""
-    return list(llm._add_completion_requests(prompts=prompts, params=params, use_tqdm=False))
+def _add_request(llm: Any, request_id: str, prompt: dict[str, Any], params: Any) -> None:
+    """Add one request to the in-process LLM exactly as LLM.generate does (the same rendering of the
+    prompt and its embeddings, final outputs only), under our own id, without running the engine."""
+    from vllm.sampling_params import RequestOutputKind
+
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    llm.llm_engine.add_request(request_id, llm._preprocess_cmpl_one(prompt), params)
 
 
 class VLLMEngine(StepEngine):
@@ -135,8 +138,7 @@ class VLLMEngine(StepEngine):
         super().__init__()
         self.prefix_cache = PrefixCacheCounts()
         self._warned_pruning = False
-        self._ours: dict[str, str] = {}  # vLLM's request id -> ours
-        self._theirs: dict[str, str] = {}  # ours -> vLLM's
+        self._live: set[str] = set()  # our ids of the requests inside vLLM (vLLM reports them so)
         self._ready: list[tuple[str, Generation]] = []  # refused before reaching vLLM
 
     # --- the LLM -------------------------------------------------------------------------
@@ -211,7 +213,7 @@ class VLLMEngine(StepEngine):
 
     @property
     def unfinished(self) -> int:
-        return len(self._ours) + len(self._ready)
+        return len(self._live) + len(self._ready)
 
     def add(self, request_id: str, request: EngineRequest) -> None:
         if request.prune_keep < 1.0 and not self._warned_pruning:
@@ -229,30 +231,24 @@ class VLLMEngine(StepEngine):
             log.warning("request rejected before vLLM: %s", exc)
             self._ready.append((request_id, Generation.failed(f"rejected before the engine: {exc}")))
             return
-        (vllm_id,) = _add_requests(self.llm, [prompt], [self._sampling_params(request)])
-        self._ours[vllm_id] = request_id
-        self._theirs[request_id] = vllm_id
+        _add_request(self.llm, request_id, prompt, self._sampling_params(request))
+        self._live.add(request_id)
 
     def step(self) -> list[tuple[str, Generation]]:
         """One step of vLLM's own engine loop (what LLM.generate runs), so requests can be added
         between steps: vLLM keeps scheduling continuously while we store what finished."""
         done, self._ready = self._ready, []
-        aborted = self._take_aborts(self._theirs)
+        aborted = self._take_aborts(self._live)
         if aborted:
-            vllm_ids = [self._theirs.pop(request_id) for request_id in aborted]
-            for vllm_id in vllm_ids:
-                del self._ours[vllm_id]
-            self.llm.llm_engine.abort_request(vllm_ids)
-        if not self._ours:
+            self._live -= aborted
+            self.llm.llm_engine.abort_request(sorted(aborted))
+        if not self._live:
             return done
         for output in self.llm.llm_engine.step():
-            if not output.finished:
-                continue
-            request_id = self._ours.pop(output.request_id, None)
-            if request_id is None:  # aborted meanwhile
-                continue
-            del self._theirs[request_id]
-            done.append((request_id, self._generation(output)))
+            if not output.finished or output.request_id not in self._live:
+                continue  # not done yet, or aborted meanwhile
+            self._live.discard(output.request_id)
+            done.append((output.request_id, self._generation(output)))
         return done
 
     def _check(self, request: EngineRequest) -> None:

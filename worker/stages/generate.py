@@ -26,6 +26,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -88,8 +89,16 @@ class _Ticket:
 
 
 class GenerateLoop:
-    def __init__(self, rt: Runtime, *, window: int | None = None) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        *,
+        window: int | None = None,
+        on_jobs_stopped: Callable[[set[str]], None] | None = None,
+    ) -> None:
         self.rt = rt
+        self.on_jobs_stopped = on_jobs_stopped
+        self._stopped: set[str] = set()  # jobs found finished: their units are refused from now on
         self.engine = rt.engine
         self.builder = rt.requests
         self.window = window or rt.generate_window
@@ -120,6 +129,11 @@ class GenerateLoop:
 
     def add(self, items: list[tuple[UnitTask, JobSpec]], ticket: _Ticket | None = None) -> None:
         """Ask each unit the prompts it has no good answer to yet; all of a unit's requests together."""
+        refused = [u for u, _ in items if u.job_id in self._stopped]
+        if refused and ticket is not None:
+            for _ in refused:
+                ticket.settle(stored=False)
+        items = [(u, s) for u, s in items if u.job_id not in self._stopped]
         fresh = [(u, s) for u, s in items if u.unit_id not in self._work]
         for unit, _ in items:
             if unit.unit_id in self._work and ticket is not None:  # redelivered while in flight
@@ -252,7 +266,10 @@ class GenerateLoop:
             log.warning("could not look up the jobs in flight: %s", describe(exc))
             return
         if stopped:
+            self._stopped |= stopped
             self.drop_jobs(stopped)
+            if self.on_jobs_stopped is not None:
+                self.on_jobs_stopped(stopped)
 
     def drop_jobs(self, job_ids: set[str], error: BaseException | None = None) -> int:
         """Abort these jobs' requests in the engine and forget their units; returns units dropped.
