@@ -91,7 +91,7 @@ def test_a_page_reaches_its_answer_while_later_pages_still_render(settings_facto
     thread = threading.Thread(target=lambda: seen.setdefault("job", run.run([pdf], spec)))
     thread.start()
     try:
-        _wait(lambda: "job" in seen or _count(rt.db, "SELECT count(*) FROM results") > 0)
+        _wait(lambda: not thread.is_alive() or _count(rt.db, "SELECT count(*) FROM results") > 0)
         pending = _count(rt.db, "SELECT count(*) FROM sources WHERE status = 'pending'")
         assert pending == 1, "the source was fully split before the first answer: nothing streamed"
     finally:

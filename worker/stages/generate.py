@@ -303,9 +303,14 @@ class GenerateService:
     """A GenerateLoop in its own thread, fed through a thread-safe inbox."""
 
     def __init__(
-        self, rt: Runtime, *, window: int | None = None, max_waiting_units: int | None = None
+        self,
+        rt: Runtime,
+        *,
+        window: int | None = None,
+        max_waiting_units: int | None = None,
+        on_jobs_stopped: Callable[[set[str]], None] | None = None,
     ) -> None:
-        self.loop = GenerateLoop(rt, window=window)
+        self.loop = GenerateLoop(rt, window=window, on_jobs_stopped=on_jobs_stopped)
         self._inbox: queue.Queue[tuple[list[tuple[UnitTask, JobSpec]], _Ticket]] = queue.Queue()
         # Backpressure for the embedded run: submit blocks while this many units wait in the inbox.
         self._room = threading.BoundedSemaphore(max_waiting_units) if max_waiting_units else None
