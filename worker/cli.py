@@ -81,14 +81,17 @@ def _budget(*options):
 
 
 def _job_spec(prompts, schema, max_new_tokens, temperature, top_p, seed, ingest, budget=None) -> JobSpec:
-    from worker.structured import SchemaError, check_schema
+    # The same checks and messages as a drop folder's _spec.json and JobSpec(...) in Python:
+    # JobSpec validates its schema itself (ingest.spec, ingest.schema).
+    from pydantic import ValidationError
+
+    from ingest.spec import SpecError, describe_spec_error, schema_from_json
 
     json_schema = None
     if schema is not None:
         try:
-            json_schema = json.loads(schema.read_text())
-            check_schema(json_schema)
-        except (OSError, json.JSONDecodeError, SchemaError) as exc:
+            json_schema = schema_from_json(schema.read_bytes())
+        except (OSError, SpecError) as exc:
             _fail(f"--schema {schema}: {exc}")
     try:
         return JobSpec(
@@ -98,13 +101,19 @@ def _job_spec(prompts, schema, max_new_tokens, temperature, top_p, seed, ingest,
             ingest=ingest,
             **({"budget": budget} if budget is not None else {}),
         )
+    except ValidationError as exc:
+        _fail(f"invalid job spec: {describe_spec_error(exc)}")
+        raise  # unreachable
     except ValueError as exc:
         _fail(str(exc))
         raise  # unreachable
 
 
 def _fail(message: str, code: int = 2) -> None:
-    console.print(f"[bold red]error:[/] {message}")
+    from rich.markup import escape
+
+    # Escaped: messages quote user input (schemas, keys) whose brackets rich would take for markup.
+    console.print(f"[bold red]error:[/] {escape(message)}")
     raise typer.Exit(code)
 
 
