@@ -38,6 +38,10 @@ MAX_IO_QUEUE = 16
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 # Error codes S3 (and its imitations) use for "no such object".
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
+# Error codes that say "try again later" (botocore already retried them; they outlasted its retries).
+_TRANSIENT_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError", "ServiceUnavailable"}
+)
 
 
 class ObjectNotFound(KeyError):
@@ -181,6 +185,22 @@ def is_not_found(exc: BaseException) -> bool:
     return str(response.get("Error", {}).get("Code", "")) in _NOT_FOUND_CODES
 
 
+def is_transient(exc: BaseException) -> bool:
+    """True for an S3 error that may pass: the endpoint unreachable, a connection dropped or timed
+    out, throttling, a 5xx. Not for an answer about the request itself (403, 404, 412...)."""
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+    from botocore.exceptions import HTTPClientError
+
+    if isinstance(exc, BotoConnectionError | HTTPClientError | ConnectionError | TimeoutError):
+        return True
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return False
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    code = str(response.get("Error", {}).get("Code", ""))
+    return code in _TRANSIENT_CODES or (isinstance(status, int) and status >= 500)
+
+
 def parse_s3_url(url: str) -> tuple[str, str]:
     """``s3://bucket/some/prefix/`` -> ("bucket", "some/prefix") (prefix checked, no slashes at ends)."""
     parsed = urlparse(url)
@@ -297,9 +317,17 @@ def split_s3_uri(uri: str) -> tuple[str, str]:
     if parsed.scheme != "s3" or not _BUCKET.match(parsed.netloc):
         raise ValueError(f"not an s3://bucket/key URI: {uri!r}")
     key = uri[len(f"s3://{parsed.netloc}/") :] if uri.startswith(f"s3://{parsed.netloc}/") else ""
-    if not key or len(key.encode()) > 1024 or any(ord(ch) < 32 or ord(ch) == 127 for ch in key):
-        raise ValueError(f"not a valid S3 object key in {uri!r}")
-    return parsed.netloc, key
+    if not key:
+        raise ValueError(f"no object key in s3://{parsed.netloc}/")
+    if len(key.encode()) > 1024:
+        problem = f"the key is {len(key.encode()):,} bytes, over S3's 1,024"
+    elif any(ord(ch) < 32 or ord(ch) == 127 for ch in key):
+        problem = "the key holds control characters"
+    else:
+        return parsed.netloc, key
+    # The name shortened and escaped: a 1 KiB key repeated in every message helps nobody.
+    shown = repr(key[:60])[1:-1] + ("..." if len(key) > 60 else "")
+    raise ValueError(f"not a valid S3 object key: s3://{parsed.netloc}/{shown} ({problem})")
 
 
 def download_s3_uri(

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
+from ingest.drop_guard import MARKER_NAME
 from ingest.dropfolder import DropFolderWatcher
 from ingest.spec import JobSpec
 from storage.db import Database
@@ -41,8 +42,10 @@ class Submitter:
 
 
 def _keys(client: Any, bucket: str, prefix: str = "") -> list[str]:
+    """Keys under ``prefix``, without the watchers' folder markers (``ingest.drop_guard``)."""
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-    return sorted(item["Key"] for page in pages for item in page.get("Contents", []))
+    keys = (item["Key"] for page in pages for item in page.get("Contents", []))
+    return sorted(key for key in keys if not key.endswith(MARKER_NAME))
 
 
 def _claims(db: Database) -> list[Any]:
@@ -180,7 +183,12 @@ def test_failed_submit_moves_to_failed(s3_client: Any, s3_bucket: str, pg: Datab
     assert claim.status == ClaimStatus.FAILED and claim.job_id is None
     assert claim.error is not None and "queue is full" in claim.error
     assert _keys(s3_client, s3_bucket, "inbox/") == []
-    assert _keys(s3_client, s3_bucket, "failed/") == [f"failed/{claim.id}/bad.pdf"]
+    # The reason is written beside the moved object, where the user looks for it.
+    note_key = f"failed/{claim.id}/bad.pdf.error.json"
+    assert _keys(s3_client, s3_bucket, "failed/") == [f"failed/{claim.id}/bad.pdf", note_key]
+    note = json.loads(s3_client.get_object(Bucket=s3_bucket, Key=note_key)["Body"].read())
+    assert note["subject"] == "inbox/bad.pdf" and note["claim"] == claim.id
+    assert "queue is full" in note["error"] and "another name" in note["what_to_do"]
     assert [k for k in _keys(s3_client, s3_bucket, "done/") if k.endswith("bad.pdf")] == []
     # Dropping the same bytes again is not a retry: it goes straight to failed/ again.
     s3_client.put_object(Bucket=s3_bucket, Key="inbox/bad.pdf", Body=b"b")

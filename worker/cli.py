@@ -301,38 +301,57 @@ def watch(
         str, typer.Option(help="Move objects whose job failed to start here.")
     ] = "failed/",
     poll_seconds: Annotated[float, typer.Option(help="Seconds between listings.")] = 5.0,
+    log_level: Annotated[
+        str, typer.Option(help="The watcher's log level: INFO shows every job made and every re-drop.")
+    ] = "INFO",
 ) -> None:
     """Turn each object dropped under an S3 prefix into one fleet job, exactly once (a _spec.json
-    beside the objects may give their prompts and schema)."""
+    beside the objects may give their prompts and schema). Refuses (exit 2) a prefix that holds
+    the object store, the token cache or another watcher's folders."""
     import signal
     import threading
 
+    from ingest.drop_guard import WatcherRefused
     from ingest.dropfolder import DropFolderWatcher
+    from ingest.spec import SpecError, spec_from_json
     from worker.submit import submit_job
 
+    level = logging.getLevelName(log_level.upper())
+    if not isinstance(level, int):
+        _fail(f"--log-level {log_level}: use DEBUG, INFO, WARNING or ERROR")
+    # A daemon's log is its only voice: the watcher's own lines at INFO by default, whatever the
+    # other commands' quieter default (libraries stay at the root level).
+    if logging.getLogger().level > level:
+        logging.getLogger("ingest").setLevel(level)
     default = None
     if spec_file is not None:
         try:
-            default = JobSpec.model_validate_json(spec_file.read_text())
-        except (OSError, ValueError) as exc:
+            default = spec_from_json(spec_file.read_bytes())
+        except (OSError, SpecError) as exc:
             _fail(f"--spec {spec_file}: {exc}")
     elif prompt:
         default = JobSpec(prompts=prompt)
     rt = _runtime(None)
-    watcher = DropFolderWatcher.from_url(
-        prefix,
-        rt.db,
-        lambda uris, spec: submit_job(rt, uris, spec),
-        default_spec=default,
-        done_prefix=done_prefix or None,
-        failed_prefix=failed_prefix or None,
-        poll_seconds=poll_seconds,
-        endpoint_url=rt.settings.s3_endpoint_url,
-    )
+    try:
+        watcher = DropFolderWatcher.from_settings(
+            rt.settings,
+            prefix,
+            rt.db,
+            lambda uris, spec: submit_job(rt, uris, spec),
+            default_spec=default,
+            done_prefix=done_prefix or None,
+            failed_prefix=failed_prefix or None,
+            poll_seconds=poll_seconds,
+        )
+    except ValueError as exc:  # WatcherRefused included: one line, exit 2
+        _fail(str(exc))
+        raise  # unreachable
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         watcher.run(stop)
+    except WatcherRefused as exc:
+        _fail(str(exc))
     except KeyboardInterrupt:
         stop.set()
 
