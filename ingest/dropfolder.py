@@ -60,6 +60,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -91,6 +92,7 @@ FOLDER_SPEC = "_spec.json"
 # done/<claim id>/ + a shortened name must always fit in S3's 1,024 bytes.
 MAX_FOLDER_BYTES = 512
 _MAX_REMEMBERED = 10_000  # bounded memories of a long-running watcher
+_LONG_WORD = re.compile(r"\S{97,}")
 
 Submit = Callable[[list[str], JobSpec], str]
 
@@ -116,8 +118,11 @@ def _error_code(exc: BaseException) -> str:
 
 
 def _describe(exc: BaseException) -> str:
-    """``Type: first line of the message``, bounded: exception texts may quote whole keys."""
+    """``Type: first line of the message``, bounded, with any long word (a URL or key the error
+    quotes, such as botocore's "Could not connect to the endpoint URL: <url with the key>")
+    shortened like a key."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = _LONG_WORD.sub(lambda m: display_key(m.group(), limit=80), text)
     text = text if len(text) <= 300 else text[:300] + "..."
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

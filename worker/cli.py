@@ -113,7 +113,8 @@ def _fail(message: str, code: int = 2) -> None:
     from rich.markup import escape
 
     # Escaped: messages quote user input (schemas, keys) whose brackets rich would take for markup.
-    console.print(f"[bold red]error:[/] {escape(message)}")
+    # soft_wrap: one line per message, whatever the terminal's width (logs are grepped).
+    console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     raise typer.Exit(code)
 
 
