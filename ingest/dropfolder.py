@@ -230,18 +230,29 @@ class DropFolderWatcher:
         and retried at the next interval (S3 or the database may be briefly away). A refusal
         (WatcherRefused) ends the loop: it is raised to the caller."""
         log.info("watching %s every %.1f s", self.inbox.url, self.poll_seconds)
+        failing = False  # an outage is said when it starts and when it ends, not at every poll
         while not stop_event.is_set():
             try:
                 self.poll_once()
             except WatcherRefused:
                 raise
             except Exception as exc:
-                if is_transient(exc) or _is_database_outage(exc):
+                if not (is_transient(exc) or _is_database_outage(exc)):
+                    log.exception("drop folder: poll of %s failed", self.inbox.url)
+                elif not failing:
                     log.warning(
-                        "drop folder: poll of %s failed (%s); retrying", self.inbox.url, _describe(exc)
+                        "drop folder: poll of %s failed (%s); retrying every %.1f s",
+                        self.inbox.url,
+                        _describe(exc),
+                        self.poll_seconds,
                     )
                 else:
-                    log.exception("drop folder: poll of %s failed", self.inbox.url)
+                    log.debug("drop folder: poll failed again (%s)", _describe(exc))
+                failing = True
+            else:
+                if failing:
+                    log.info("drop folder: polls of %s work again", self.inbox.url)
+                failing = False
             stop_event.wait(self.poll_seconds)
 
     def start(self) -> Listing:
@@ -345,6 +356,7 @@ class DropFolderWatcher:
             inside = lambda key: any(key.startswith(f) for f in self._foreign)  # noqa: E731
             listing.objects = [o for o in listing.objects if not inside(o.key)]
             listing.specs = {k: v for k, v in listing.specs.items() if not inside(k)}
+            listing.notes = {k: v for k, v in listing.notes.items() if not inside(k)}
 
     def _resolve_specs(self, listing: Listing, notes: dict[str, dict[str, Any]]) -> dict[str, JobSpec | None]:
         """Every listed spec file, parsed once per version: a JobSpec, or None (unusable: its

@@ -559,3 +559,23 @@ def test_moved_and_note_keys_always_fit(relative: str) -> None:
     assert len(display_key("inbox/" + relative)) <= 96 + len(" (1,024 bytes)")
     assert error_key("inbox/" + relative, "inbox/").startswith("inbox/")
     assert len(error_key("inbox/" + relative, "inbox/").encode()) <= MAX_KEY_BYTES
+
+
+def test_claims_given_back_and_looked_up(db: Database) -> None:
+    """The queries beyond claim/set/find, on both backends: only a claim still ``claimed`` can be
+    given back (no job exists for it yet); any other stays, so exactly once holds."""
+    from storage.drop_claim_queries import claim_keys, release_claim
+
+    first = claim_object(db, "bucket", "inbox/a.pdf", "etag-1")
+    second = claim_object(db, "bucket", "inbox/b.pdf", "etag-1")
+    assert first is not None and second is not None
+    set_claim(db, second, status=ClaimStatus.FAILED, error="no")
+    assert claim_keys(db, [first, second, 999_999]) == {
+        first: ("bucket", "inbox/a.pdf"),
+        second: ("bucket", "inbox/b.pdf"),
+    }
+    assert release_claim(db, second) is False  # failed: kept
+    assert release_claim(db, first) is True
+    assert find_claim(db, "bucket", "inbox/a.pdf", "etag-1") is None
+    again = claim_object(db, "bucket", "inbox/a.pdf", "etag-1")  # claimable again, exactly once
+    assert again is not None and claim_object(db, "bucket", "inbox/a.pdf", "etag-1") is None
