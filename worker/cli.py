@@ -321,8 +321,8 @@ def watch(
     if not isinstance(level, int):
         _fail(f"--log-level {log_level}: use DEBUG, INFO, WARNING or ERROR")
     # A daemon's log is its only voice: the watcher's own lines at INFO by default, whatever the
-    # other commands' quieter default (libraries stay at the root level).
-    if logging.getLogger().level > level:
+    # other commands' quieter default (libraries stay at the root level; --verbose wins).
+    if logging.getLogger().level != logging.DEBUG:
         logging.getLogger("ingest").setLevel(level)
     default = None
     if spec_file is not None:
