@@ -250,7 +250,7 @@ def watch_env(
     }
 
 
-def _wait_for(condition: Callable[[], bool], proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+def _wait_for(condition: Callable[[], bool], proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():
@@ -274,7 +274,7 @@ def test_watch_refuses_a_prefix_holding_the_store(
             env=env,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=300,  # generous: a shared CI box can be slow to start Python
             check=False,
         )
     except subprocess.TimeoutExpired:
