@@ -2,19 +2,39 @@
 
 The spec is stored as JSON on the job row, so every field here must be JSON-serializable,
 and a worker in the fleet rebuilds exactly the same spec from the row.
+
+One validation for every door: ``JobSpec`` itself checks everything, the JSON schema included
+(bounds, meta-schema, grammar compile: ``ingest.schema``), so the CLI, the drop folder and Python
+callers cannot disagree. ``spec_from_json`` / ``spec_from_fields`` / ``schema_from_json`` turn any
+failure into a ``SpecError`` whose message is the same wherever the spec came from.
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ingest.budget import VisualBudget
+from ingest.schema import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, JSONTooDeep, check_schema, loads_json
 
-MAX_SCHEMA_BYTES = 64 * 1024
-MAX_SCHEMA_DEPTH = 32
+__all__ = [
+    "MAX_SCHEMA_BYTES",
+    "MAX_SCHEMA_DEPTH",
+    "MAX_SPEC_BYTES",
+    "IngestOptions",
+    "JobSpec",
+    "Sampling",
+    "SpecError",
+    "describe_spec_error",
+    "schema_from_json",
+    "spec_from_fields",
+    "spec_from_json",
+]
+
+# A spec file holds prompts (64 x 32,000 characters at most) and a 64 KiB schema.
+MAX_SPEC_BYTES = 4 * 1024 * 1024
 
 
 class IngestOptions(BaseModel):
@@ -46,14 +66,6 @@ class Sampling(BaseModel):
     seed: int = Field(0, description="Seed for sampling; results are reproducible per job.")
 
 
-def _depth(node: Any, level: int = 0) -> int:
-    if isinstance(node, dict):
-        return max((_depth(v, level + 1) for v in node.values()), default=level + 1)
-    if isinstance(node, list):
-        return max((_depth(v, level + 1) for v in node), default=level + 1)
-    return level
-
-
 class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -77,11 +89,66 @@ class JobSpec(BaseModel):
 
     @field_validator("json_schema")
     @classmethod
-    def _bounded_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
-        if schema is None:
-            return None
-        if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
-            raise ValueError(f"the JSON schema is over {MAX_SCHEMA_BYTES} bytes")
-        if _depth(schema) > MAX_SCHEMA_DEPTH:
-            raise ValueError(f"the JSON schema is nested deeper than {MAX_SCHEMA_DEPTH}")
+    def _usable_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        if schema is not None:
+            check_schema(schema)  # a SchemaError is a ValueError: pydantic reports it on this field
         return schema
+
+
+class SpecError(ValueError):
+    """A job spec that cannot be used; the message is for people and names the field at fault."""
+
+
+def describe_spec_error(exc: ValidationError) -> str:
+    """One line per problem, ``field: reason``, without pydantic's URLs and input dumps (a schema
+    can be 64 KiB: repeating it in a message helps nobody)."""
+    problems = []
+    for error in exc.errors(include_url=False, include_input=False):
+        where = ".".join(str(part) for part in error["loc"]) or "(spec)"
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = "unknown field (check its spelling)"
+        problems.append(f"{where}: {message}")
+    return "; ".join(problems)
+
+
+def spec_from_fields(fields: Mapping[str, Any], base: JobSpec | None = None) -> JobSpec:
+    """A spec from its fields (a parsed spec file); ``base``'s fields fill in the ones not given."""
+    merged = {**(base.model_dump(mode="json") if base is not None else {}), **fields}
+    try:
+        return JobSpec.model_validate(merged)
+    except ValidationError as exc:
+        raise SpecError(f"invalid job spec: {describe_spec_error(exc)}") from None
+
+
+def spec_from_json(raw: str | bytes, base: JobSpec | None = None, *, what: str = "the spec") -> JobSpec:
+    """A spec from a JSON document (a ``--spec`` file, a drop folder's ``_spec.json``)."""
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError(f"invalid job spec: {what} is over {MAX_SPEC_BYTES} bytes")
+    try:
+        fields = loads_json(raw, what)
+    except JSONTooDeep:  # only a schema may nest at all, and not this deep
+        raise SpecError(
+            f"invalid job spec: nested deeper than {MAX_SCHEMA_DEPTH} levels (the limit of a JSON schema)"
+        ) from None
+    except ValueError as exc:
+        raise SpecError(f"invalid job spec: {exc}") from None
+    if not isinstance(fields, dict):
+        raise SpecError(f"invalid job spec: {what} must be a JSON object of fields (prompts, json_schema...)")
+    return spec_from_fields(fields, base)
+
+
+def schema_from_json(raw: str | bytes, *, what: str = "the JSON schema") -> dict[str, Any]:
+    """A JSON schema from a file's text (``--schema``), checked like every spec's schema."""
+    if len(raw) > MAX_SPEC_BYTES:  # checked again, exactly, by check_schema: this bounds the parse
+        raise SpecError(f"invalid job spec: json_schema: the JSON schema is over {MAX_SCHEMA_BYTES} bytes")
+    try:
+        schema = loads_json(raw, what)
+        check_schema(schema)
+    except JSONTooDeep:  # the same words as a schema just over the limit: it is the same problem
+        raise SpecError(
+            f"invalid job spec: json_schema: the JSON schema is nested deeper than {MAX_SCHEMA_DEPTH} levels"
+        ) from None
+    except ValueError as exc:
+        raise SpecError(f"invalid job spec: json_schema: {exc}") from None
+    return schema

@@ -297,9 +297,17 @@ def split_s3_uri(uri: str) -> tuple[str, str]:
     if parsed.scheme != "s3" or not _BUCKET.match(parsed.netloc):
         raise ValueError(f"not an s3://bucket/key URI: {uri!r}")
     key = uri[len(f"s3://{parsed.netloc}/") :] if uri.startswith(f"s3://{parsed.netloc}/") else ""
-    if not key or len(key.encode()) > 1024 or any(ord(ch) < 32 or ord(ch) == 127 for ch in key):
-        raise ValueError(f"not a valid S3 object key in {uri!r}")
-    return parsed.netloc, key
+    if not key:
+        raise ValueError(f"no object key in s3://{parsed.netloc}/")
+    if len(key.encode()) > 1024:
+        problem = f"the key is {len(key.encode()):,} bytes, over S3's 1,024"
+    elif any(ord(ch) < 32 or ord(ch) == 127 for ch in key):
+        problem = "the key holds control characters"
+    else:
+        return parsed.netloc, key
+    # The name shortened and escaped: a 1 KiB key repeated in every message helps nobody.
+    shown = repr(key[:60])[1:-1] + ("..." if len(key) > 60 else "")
+    raise ValueError(f"not a valid S3 object key: s3://{parsed.netloc}/{shown} ({problem})")
 
 
 def download_s3_uri(

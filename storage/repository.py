@@ -5,7 +5,7 @@ storage.results, storage.claims, over the shared SQL of storage.sql, whose docst
 the counting rules); this module only gathers their public names.
 """
 
-from storage.claims import ClaimRow, claim_object, find_claim, set_claim
+from storage.claims import ClaimRow, claim_keys, claim_object, find_claim, release_claim, set_claim
 from storage.jobs import (
     STAGES,
     ReopenedJob,
@@ -66,6 +66,7 @@ __all__ = [
     "add_units",
     "advance_cursor",
     "answered_prompts",
+    "claim_keys",
     "claim_object",
     "close_finished",
     "close_job",
@@ -81,6 +82,7 @@ __all__ = [
     "list_jobs",
     "mark_units_encoded",
     "pending_sources",
+    "release_claim",
     "reopen_job",
     "resolve_job_id",
     "set_claim",

@@ -84,14 +84,17 @@ def _budget(*options):
 
 
 def _job_spec(prompts, schema, max_new_tokens, temperature, top_p, seed, ingest, budget=None) -> JobSpec:
-    from worker.structured import SchemaError, check_schema
+    # The same checks and messages as a drop folder's _spec.json and JobSpec(...) in Python:
+    # JobSpec validates its schema itself (ingest.spec, ingest.schema).
+    from pydantic import ValidationError
+
+    from ingest.spec import SpecError, describe_spec_error, schema_from_json
 
     json_schema = None
     if schema is not None:
         try:
-            json_schema = json.loads(schema.read_text())
-            check_schema(json_schema)
-        except (OSError, json.JSONDecodeError, SchemaError) as exc:
+            json_schema = schema_from_json(schema.read_bytes())
+        except (OSError, SpecError) as exc:
             _fail(f"--schema {schema}: {exc}")
     try:
         return JobSpec(
@@ -101,13 +104,20 @@ def _job_spec(prompts, schema, max_new_tokens, temperature, top_p, seed, ingest,
             ingest=ingest,
             **({"budget": budget} if budget is not None else {}),
         )
+    except ValidationError as exc:
+        _fail(f"invalid job spec: {describe_spec_error(exc)}")
+        raise  # unreachable
     except ValueError as exc:
         _fail(str(exc))
         raise  # unreachable
 
 
 def _fail(message: str, code: int = 2) -> None:
-    console.print(f"[bold red]error:[/] {message}")
+    from rich.markup import escape
+
+    # Escaped: messages quote user input (schemas, keys) whose brackets rich would take for markup.
+    # soft_wrap: one line per message, whatever the terminal's width (logs are grepped).
+    console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -370,38 +380,57 @@ def watch(
         str, typer.Option(help="Move objects whose job failed to start here.")
     ] = "failed/",
     poll_seconds: Annotated[float, typer.Option(help="Seconds between listings.")] = 5.0,
+    log_level: Annotated[
+        str, typer.Option(help="The watcher's log level: INFO shows every job made and every re-drop.")
+    ] = "INFO",
 ) -> None:
     """Turn each object dropped under an S3 prefix into one fleet job, exactly once (a _spec.json
-    beside the objects may give their prompts and schema)."""
+    beside the objects may give their prompts and schema). Refuses (exit 2) a prefix that holds
+    the object store, the token cache or another watcher's folders."""
     import signal
     import threading
 
+    from ingest.drop_guard import WatcherRefused
     from ingest.dropfolder import DropFolderWatcher
+    from ingest.spec import SpecError, spec_from_json
     from worker.submit import submit_job
 
+    level = logging.getLevelName(log_level.upper())
+    if not isinstance(level, int):
+        _fail(f"--log-level {log_level}: use DEBUG, INFO, WARNING or ERROR")
+    # A daemon's log is its only voice: the watcher's own lines at INFO by default, whatever the
+    # other commands' quieter default (libraries stay at the root level; --verbose wins).
+    if logging.getLogger().level != logging.DEBUG:
+        logging.getLogger("ingest").setLevel(level)
     default = None
     if spec_file is not None:
         try:
-            default = JobSpec.model_validate_json(spec_file.read_text())
-        except (OSError, ValueError) as exc:
+            default = spec_from_json(spec_file.read_bytes())
+        except (OSError, SpecError) as exc:
             _fail(f"--spec {spec_file}: {exc}")
     elif prompt:
         default = JobSpec(prompts=prompt)
     rt = _runtime(None)
-    watcher = DropFolderWatcher.from_url(
-        prefix,
-        rt.db,
-        lambda uris, spec: submit_job(rt, uris, spec),
-        default_spec=default,
-        done_prefix=done_prefix or None,
-        failed_prefix=failed_prefix or None,
-        poll_seconds=poll_seconds,
-        endpoint_url=rt.settings.s3_endpoint_url,
-    )
+    try:
+        watcher = DropFolderWatcher.from_settings(
+            rt.settings,
+            prefix,
+            rt.db,
+            lambda uris, spec: submit_job(rt, uris, spec),
+            default_spec=default,
+            done_prefix=done_prefix or None,
+            failed_prefix=failed_prefix or None,
+            poll_seconds=poll_seconds,
+        )
+    except ValueError as exc:  # WatcherRefused included: one line, exit 2
+        _fail(str(exc))
+        raise  # unreachable
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         watcher.run(stop)
+    except WatcherRefused as exc:
+        _fail(str(exc))
     except KeyboardInterrupt:
         stop.set()
 

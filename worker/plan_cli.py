@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from ingest.spec import IngestOptions, JobSpec, Sampling
+from ingest.spec import IngestOptions, JobSpec, Sampling, SpecError, describe_spec_error, schema_from_json
 from storage.settings import Settings
 from worker.budget_options import (
     Detail,
@@ -32,7 +33,9 @@ console = Console(stderr=True)
 
 
 def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}")
+    from rich.markup import escape
+
+    console.print(f"[bold red]error:[/] {escape(message)}")
     raise typer.Exit(2)
 
 
@@ -82,7 +85,7 @@ def plan(
 
     settings = Settings()
     try:
-        json_schema = json.loads(schema.read_text()) if schema is not None else None
+        json_schema = schema_from_json(schema.read_bytes()) if schema is not None else None
         options: dict = {"max_frames": max_frames, "pages": pages, "num_frames": num_frames}
         if dpi is not None:
             options.update(dpi=dpi, longest_side=None)
@@ -107,7 +110,13 @@ def plan(
             ),  # fmt: skip
         )
         rate = Throughput.parse(throughput) if throughput else None
-    except (OSError, ValueError) as exc:
+    except ValidationError as exc:  # the same words as run, submit and the drop folder
+        _fail(f"invalid job spec: {describe_spec_error(exc)}")
+        return
+    except (OSError, SpecError) as exc:
+        _fail(f"--schema {schema}: {exc}")
+        return
+    except ValueError as exc:
         _fail(str(exc))
         return
     try:

@@ -16,68 +16,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 from typing import TypeVar
+
+from storage.errors import describe, is_transient
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# S3 error codes that mean "try again later", not "this request is wrong".
-_RETRYABLE_S3_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "RequestTimeout",
-        "RequestTimeTooSkewed",
-        "InternalError",
-        "ServiceUnavailable",
-        "503",
-        "500",
-        "502",
-        "504",
-    }
-)
-
-
-@cache
-def transient_types() -> tuple[type[BaseException], ...]:
-    """Exception classes of a service that is down or slow (imported lazily: boto, redis, SQLAlchemy)."""
-    import botocore.exceptions
-    import redis.exceptions
-    import sqlalchemy.exc
-
-    return (
-        sqlalchemy.exc.OperationalError,
-        sqlalchemy.exc.InterfaceError,
-        redis.exceptions.ConnectionError,
-        redis.exceptions.TimeoutError,
-        botocore.exceptions.EndpointConnectionError,
-        botocore.exceptions.ConnectionClosedError,
-        botocore.exceptions.ReadTimeoutError,
-        botocore.exceptions.ConnectTimeoutError,
-        ConnectionError,
-        TimeoutError,
-    )
-
-
-def is_transient(exc: BaseException) -> bool:
-    """True for an error that a later try may not meet (a service down, slow or throttling)."""
-    if isinstance(exc, transient_types()):
-        return True
-    response = getattr(exc, "response", None)  # botocore ClientError
-    if isinstance(response, dict):
-        code = str(response.get("Error", {}).get("Code", ""))
-        status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-        return code in _RETRYABLE_S3_CODES or status >= 500
-    cause = exc.__cause__ or exc.__context__
-    return cause is not None and cause is not exc and is_transient(cause)
-
-
-def describe(exc: BaseException) -> str:
-    """`Type: message`, on one line: what a unit's error says."""
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+__all__ = ["RetryPolicy", "describe", "is_transient"]
 
 
 @dataclass(frozen=True)

@@ -4,56 +4,22 @@ Why llguidance: it is what vLLM itself uses for structured outputs (one grammar 
 across our two engines), it computes a token mask in tens of microseconds with no per-schema
 compile step worth caching across processes, and it is maintained. Constraining is not trusted
 alone: every output is parsed and validated with `jsonschema` afterwards, and one that fails is
-recorded as an error on its request, never stored as a result.
+recorded as an error on its request, never stored as a result. The schema checks and the output
+validation are torch-free and live in ``ingest.schema``; this module adds the logits processor.
 """
 
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from typing import Any
 
-import jsonschema
 import torch
 from transformers import LogitsProcessor
 
+# The checks themselves live in a torch-free module, so that JobSpec can run them at every door.
+from ingest.schema import SchemaError, check_schema, grammar_for, validate_output
 
-class SchemaError(ValueError):
-    """The job's JSON schema is not usable (invalid, or not supported by the grammar compiler)."""
-
-
-def check_schema(schema: dict[str, Any]) -> None:
-    try:
-        jsonschema.Draft202012Validator.check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        raise SchemaError(f"invalid JSON schema: {exc.message}") from exc
-    import llguidance
-
-    grammar = _grammar(json.dumps(schema, sort_keys=True))
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise SchemaError(f"JSON schema not supported for constrained decoding: {messages[0]}")
-
-
-@lru_cache(maxsize=64)
-def _grammar(schema_json: str) -> str:
-    import llguidance
-
-    # Compact output: whitespace the model could emit forever is not allowed between tokens.
-    return llguidance.LLMatcher.grammar_from_json_schema(schema_json, defaults={"whitespace_flexible": False})
-
-
-def validate_output(text: str, schema: dict[str, Any]) -> tuple[Any | None, str | None]:
-    """(parsed JSON, None) when `text` is valid for `schema`, else (None, reason)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        return None, f"output is not valid JSON ({exc.msg} at char {exc.pos})"
-    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(value), key=lambda e: e.path)
-    if errors:
-        where = "/".join(str(p) for p in errors[0].absolute_path) or "(root)"
-        return None, f"output does not match the schema at {where}: {errors[0].message}"
-    return value, None
+__all__ = ["GrammarLogitsProcessor", "SchemaError", "check_schema", "validate_output"]
 
 
 class GrammarLogitsProcessor(LogitsProcessor):
@@ -69,7 +35,7 @@ class GrammarLogitsProcessor(LogitsProcessor):
         self.vocab_size = vocab_size
         lltok = _lltokenizer(tokenizer, vocab_size)
         self.matchers = [
-            None if s is None else llguidance.LLMatcher(lltok, _grammar(json.dumps(s, sort_keys=True)))
+            None if s is None else llguidance.LLMatcher(lltok, grammar_for(json.dumps(s, sort_keys=True)))
             for s in schemas
         ]
         self.steps = 0

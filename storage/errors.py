@@ -1,0 +1,70 @@
+"""Which errors may pass: the one classification every retry in visbatch uses.
+
+A transient error is a service that is down, slow or throttling (the database, Redis, an S3 API;
+a timeout, a 5xx, SlowDown), never an answer about the request itself (403, 404, 412, a bad
+image, a schema violation). worker.retry retries the first kind with backoff; the drop folder
+leaves an object for the next poll on them.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+# S3 error codes that mean "try again later", not "this request is wrong".
+_RETRYABLE_S3_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "RequestTimeTooSkewed",
+        "InternalError",
+        "ServiceUnavailable",
+        "500",
+        "502",
+        "503",
+        "504",
+    }
+)
+
+
+@cache
+def transient_types() -> tuple[type[BaseException], ...]:
+    """Exception classes of a service that is down or slow (imported lazily: boto, redis, SQLAlchemy)."""
+    import botocore.exceptions
+    import redis.exceptions
+    import sqlalchemy.exc
+
+    return (
+        sqlalchemy.exc.OperationalError,
+        sqlalchemy.exc.InterfaceError,
+        redis.exceptions.ConnectionError,
+        redis.exceptions.TimeoutError,
+        botocore.exceptions.ConnectionError,  # endpoint unreachable, connection closed, timeouts
+        botocore.exceptions.HTTPClientError,
+        ConnectionError,
+        TimeoutError,
+    )
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for an error that a later try may not meet (a service down, slow or throttling)."""
+    if isinstance(exc, transient_types()):
+        return True
+    import sqlalchemy.exc
+
+    if isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.connection_invalidated:
+        return True
+    response = getattr(exc, "response", None)  # botocore ClientError
+    if isinstance(response, dict):
+        code = str(response.get("Error", {}).get("Code", ""))
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return code in _RETRYABLE_S3_CODES or (isinstance(status, int) and status >= 500)
+    cause = exc.__cause__ or exc.__context__
+    return cause is not None and cause is not exc and is_transient(cause)
+
+
+def describe(exc: BaseException) -> str:
+    """`Type: message`, on one line: what a unit's error says."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
