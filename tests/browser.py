@@ -37,7 +37,9 @@ FLAGS = [
 
 
 def browser_missing_reason() -> str | None:
-    missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not (os.path.isfile(path) and os.access(path, os.X_OK))]
+    missing = [
+        path for path in (CHROMIUM, CHROMEDRIVER) if not (os.path.isfile(path) and os.access(path, os.X_OK))
+    ]
     if missing:
         return f"{', '.join(missing)} not installed (apt-get install chromium chromium-driver, or make test)"
     try:
@@ -94,9 +96,13 @@ def load_all_images(driver: Any) -> list[dict[str, Any]]:
     images = driver.find_elements("css selector", "img")
     for image in images:
         driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", image)
-        wait_for(lambda image=image: driver.execute_script("return arguments[0].complete;", image), what="image")
+        wait_for(
+            lambda image=image: driver.execute_script("return arguments[0].complete;", image), what="image"
+        )
     driver.execute_script("window.scrollTo(0, 0);")
     return [
-        driver.execute_script("return {src: arguments[0].currentSrc, width: arguments[0].naturalWidth};", image)
+        driver.execute_script(
+            "return {src: arguments[0].currentSrc, width: arguments[0].naturalWidth};", image
+        )
         for image in images
     ]

@@ -56,7 +56,9 @@ def make_job(settings: Settings, paths: list[Path], spec: JobSpec) -> str:
         rt.close()
 
 
-def write_static_video(path: Path, seconds: int = 4, fps: int = 10, size: tuple[int, int] = (320, 240)) -> Path:
+def write_static_video(
+    path: Path, seconds: int = 4, fps: int = 10, size: tuple[int, int] = (320, 240)
+) -> Path:
     """A still scene for the first half, then a big red square: sampled at 1 fps, frames 1 and 3
     repeat frames 0 and 2 (skipped), frames 0 and 2 are kept."""
     width, height = size
