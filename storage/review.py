@@ -376,10 +376,10 @@ def unmatched_units(db: Database, job_a: str, job_b: str) -> int:
     """Units of ``job_a`` with no unit of the same source uri and index in ``job_b``."""
     ua, sa, ub, sb = aliased(UNITS), aliased(SOURCES), aliased(UNITS), aliased(SOURCES)
     twin = (
-        exists()
-        .select_from(ub)
+        select(ub.c.id)
         .join(sb, sb.c.id == ub.c.source_id)
         .where(sb.c.job_id == job_b, sb.c.uri == sa.c.uri, ub.c.unit_index == ua.c.unit_index)
+        .exists()
     )
     stmt = (
         select(func.count())

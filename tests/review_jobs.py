@@ -7,6 +7,8 @@ pages, an image, video frames of which some are skipped as near-duplicates, and 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,8 @@ from storage.db import Database
 from storage.review import RESULTS
 from storage.settings import Settings
 from tests.media import write_pdf
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Cut off at 10 tokens, the tiny model's JSON ({"ok":true} is 11 bytes, one token per byte) never
 # closes: every answer is a real schema error, whatever the random weights choose.
@@ -97,3 +101,18 @@ def overwrite_answer(db: Database, result_id: int, *, text: str | None, output: 
         session.execute(
             update(RESULTS).where(RESULTS.c.id == result_id).values(text=text, output=output, error=None)
         )
+
+
+def run_cli(home: Path, *args: str) -> subprocess.CompletedProcess:
+    """`visbatch ARGS` in a fresh interpreter on this tree, which then asserts that no model library
+    was imported (view and compare only read the database and the store)."""
+    code = (
+        "import sys\nfrom worker.cli import app\ncode = 0\n"
+        "try:\n    app(sys.argv[1:], prog_name='visbatch')\n"
+        "except SystemExit as exc:\n    code = exc.code or 0\n"
+        "heavy = sorted({'torch', 'transformers', 'vllm'} & set(sys.modules))\n"
+        "assert not heavy, f'imported {heavy}'\nsys.exit(code)\n"
+    )
+    env = {"VISBATCH_HOME": str(home), "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    command = [sys.executable, "-c", code, *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)

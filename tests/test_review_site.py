@@ -4,14 +4,11 @@ HTTP and exported static. The commands never import torch or transformers."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import urllib.error
 import urllib.request
 from html.parser import HTMLParser
 from io import BytesIO
-from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -21,14 +18,20 @@ from storage.db import Database
 from storage.object_store import open_object_store
 from storage.review import ResultView, UnitView, unit_image_key
 from storage.settings import Settings
-from tests.review_jobs import HOSTILE_OUTPUT, HOSTILE_TEXT, REVIEW_SPEC, make_job, write_review_inputs
+from tests.review_jobs import (
+    HOSTILE_OUTPUT,
+    HOSTILE_TEXT,
+    REVIEW_SPEC,
+    make_job,
+    run_cli,
+    write_review_inputs,
+)
 from worker.review.export import export_site
 from worker.review.html import render_json, render_unit
 from worker.review.images import Thumbnails
 from worker.review.server import make_server
 from worker.review.site import ReviewSite
 
-ROOT = Path(__file__).resolve().parents[1]
 SAFE_TAGS = {"section", "div", "span", "b", "a", "img", "pre", "details", "summary"} | {
     "table", "tr", "th", "td", "ol", "li"}  # fmt: skip
 
@@ -199,30 +202,15 @@ def test_served_and_static_site_from_each_backend(stored_job, tmp_path):
         assert max(Image.open(path).size) <= 320
 
 
-def _cli(home: Path, *args: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`visbatch ARGS` in a fresh interpreter, which then asserts that no model library was imported."""
-    code = (
-        "import sys\nfrom worker.cli import app\n"
-        "try:\n    app(sys.argv[1:], prog_name='visbatch')\n"
-        "except SystemExit as exc:\n    code = exc.code or 0\n"
-        "heavy = sorted({'torch', 'transformers', 'vllm'} & set(sys.modules))\n"
-        "assert not heavy, f'imported {heavy}'\nsys.exit(code)\n"
-    )
-    env = {"VISBATCH_HOME": str(home), "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", **(extra_env or {})}
-    return subprocess.run(
-        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("stored_job", ["sqlite-folder"], indirect=True)
 def test_view_command_is_light_and_clear(stored_job, tmp_path):
     settings, db, store, job_id = stored_job
     home = settings.home
-    result = _cli(home, "view", job_id, "--out", str(tmp_path / "out"))
+    result = run_cli(home, "view", job_id, "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "out" / "index.html").is_file()
-    missing = _cli(home, "view", "feedbeef00")
+    missing = run_cli(home, "view", "feedbeef00")
     assert missing.returncode == 2 and "no job 'feedbeef00'" in missing.stderr
-    empty = _cli(tmp_path / "empty-home", "view", "feedbeef00")
+    empty = run_cli(tmp_path / "empty-home", "view", "feedbeef00")
     assert empty.returncode == 2 and "cannot read the jobs" in empty.stderr

@@ -185,11 +185,10 @@ def leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
 
 
 def _same(a: Any, b: Any) -> bool:
-    # JSON has no int/float or bool/int distinction worth a disagreement, but Python's True == 1 does:
-    # compare the JSON texts of leaves, which keeps true != 1 and 1 == 1.0 apart from 1 == "1".
-    if type(a) is type(b):
-        return a == b
-    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    # JSON numbers compare by value (1 == 1.0), but Python's True == 1 must not make true agree with 1.
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    return a == b
 
 
 def compare_json(a: Any, b: Any) -> tuple[bool, dict[str, bool]]:
