@@ -133,6 +133,14 @@ def load_job(db: Database, job: str) -> JobInfo:
     )
 
 
+def job_spec(db: Database, job: str) -> tuple[str, dict[str, Any]]:
+    """(full id, spec) of a job (id or unique prefix): the cheap lookup, no counting."""
+    job_id = resolve_job_id(db, job)
+    with db.session(readonly=True) as session:
+        spec = session.scalar(select(JOBS.c.spec).where(JOBS.c.id == job_id))
+    return job_id, dict(spec or {})
+
+
 # ---------------------------------------------------------------------------------------------
 # Filters
 

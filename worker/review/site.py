@@ -23,6 +23,7 @@ from storage.review import (
     count_sources,
     count_units,
     get_source,
+    job_spec,
     load_job,
     source_page,
     unit_image_key,
@@ -82,7 +83,9 @@ class ReviewSite:
             raise ValueError("pages must hold at least one item")
         self.db = db
         self.store = store
-        self.job_id = load_job(db, job_id).id  # resolves a prefix; raises JobNotFound
+        # Resolves a prefix (JobNotFound if none); a job's prompts never change.
+        self.job_id, spec = job_spec(db, job_id)
+        self.prompts: list[str] = list(spec.get("prompts") or [])
         self.thumbnails = thumbnails
         self.per_page = per_page
         self.sources_per_page = sources_per_page
@@ -160,7 +163,6 @@ class ReviewSite:
         total_pages = pages_needed(total, self.per_page)
         if not 1 <= n <= total_pages:
             return None
-        job = load_job(self.db, self.job_id)
         size = self.per_page
         units = unit_page(self.db, self.job_id, source_id, view, offset=(n - 1) * size, limit=size)
         cards = []
@@ -170,7 +172,7 @@ class ReviewSite:
                 position = unit_position(self.db, source_id, unit.duplicate_of)
                 target = source_href(source_id, "all", position // size + 1)
                 duplicate_href = f"{target}#u{unit.duplicate_of}"
-            cards.append(render_unit(unit, source.kind, job.prompts, duplicate_href))
+            cards.append(render_unit(unit, source.kind, self.prompts, duplicate_href))
         tabs = []
         for name in VIEWS:
             label = f"{VIEW_TITLES[name]} ({fmt_int(source.view_counts.get(name, 0))})"
@@ -181,7 +183,7 @@ class ReviewSite:
                 tabs.append(f'<a href="{href}" data-view="{name}">{esc(label)}</a>')
         nav = pager(n, total_pages, lambda k: source_href(source_id, view, k))
         head = [
-            f'<p><a href="index.html">← job {esc(job.id)}</a></p>',
+            f'<p><a href="index.html">← job {esc(self.job_id)}</a></p>',
             f"<h1>{esc(source.uri)}</h1>",
             f'<p>{esc(source.kind or "unknown kind")} · <span class="badge {esc(source.status)}">'
             f"{esc(source.status)}</span> · {fmt_int(source.units)} units · "
