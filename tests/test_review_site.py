@@ -151,6 +151,7 @@ def stored_job(request, tmp_path, tiny_model_dir):
 def test_served_and_static_site_from_each_backend(stored_job, tmp_path):
     settings, db, store, job_id = stored_job
     expected = _expected(db, job_id)
+    all_images = [unit_id for *_, ids in expected.values() for unit_id in ids]
     site = ReviewSite(db, store, job_id, thumbnails=Thumbnails(store, tmp_path / "thumbs"), per_page=3)
     server = make_server(site, "127.0.0.1", 0)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -187,7 +188,7 @@ def test_served_and_static_site_from_each_backend(stored_job, tmp_path):
             )
         assert len(list((tmp_path / "thumbs").rglob("*.jpg"))) == keys
         # Only this job's images, and nothing outside the site's paths.
-        assert unit_image_key(db, "0" * 32, with_image[0]) is None
+        assert unit_image_key(db, "0" * 32, all_images[0]) is None
         for path in ("img/999999.png", "thumb/999999.jpg", "../visbatch.db", "img/1.jpg", "index-9.html"):
             assert _get(base + path)[0] == 404, path
     finally:
@@ -195,11 +196,20 @@ def test_served_and_static_site_from_each_backend(stored_job, tmp_path):
         server.server_close()
 
     report = export_site(site, tmp_path / "site")
-    images = sum(len(ids) for *_, ids in expected.values())
+    images = len(all_images)
     assert report.images == images and not report.missing_images
     assert len(list((tmp_path / "site" / "img").glob("*.png"))) == images
     for path in (tmp_path / "site" / "thumb").glob("*.jpg"):
         assert max(Image.open(path).size) <= 320
+
+    # An image gone from the store: a 404 for it, and the export goes on and names it.
+    unit_id = all_images[0]
+    key = unit_image_key(db, job_id, unit_id)
+    store.delete(key)
+    site.thumbnails = Thumbnails(store, tmp_path / "thumbs-2")
+    assert site.get(f"img/{unit_id}.png") is None and site.get(f"thumb/{unit_id}.jpg") is None
+    report = export_site(site, tmp_path / "site-2")
+    assert set(report.missing_images) == {key} and report.images == images - len(report.missing_images)
 
 
 @pytest.mark.slow
