@@ -32,6 +32,7 @@ from worker.budget_options import (
     token_lines,
     visual_budget,
 )
+from worker.review.cli import register as _register_review
 
 app = typer.Typer(
     help="Run vision-language models over piles of PDFs, videos and images.", no_args_is_help=True
@@ -671,6 +672,7 @@ def _register_plan() -> None:
 
 
 _register_plan()
+_register_review(app)
 
 
 @model_app.command("tiny")

@@ -8,6 +8,7 @@ prompt after the first).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ingest.budget import PixelBounds
 from ingest.spec import JobSpec
@@ -104,16 +105,30 @@ class RequestBuilder:
                 output=None, text=None, error=error, completion_tokens=0, finish_reason=None, **common
             )
         output = None
+        text = without_nul(outcome.text)
         if spec.json_schema is not None:
-            output, error = validate_output(outcome.text, spec.json_schema)
+            output, error = validate_output(text, spec.json_schema)
+            output = without_nul(output)
             if error and outcome.finish_reason == "length":
                 error += f" (cut off at max_new_tokens={spec.sampling.max_new_tokens})"
         return ResultRow(
             output=output,
-            text=outcome.text,
+            text=text,
             error=error,
             completion_tokens=len(outcome.token_ids),
             finish_reason=outcome.finish_reason,
             pruned_tokens=outcome.pruned_tokens,
             **common,
         )
+
+
+def without_nul(value: Any) -> Any:
+    """Model output with every NUL character replaced (U+FFFD): PostgreSQL's text and JSONB refuse
+    NUL, and one such answer must not fail a whole batch of results."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, list):
+        return [without_nul(v) for v in value]
+    if isinstance(value, dict):
+        return {without_nul(k): without_nul(v) for k, v in value.items()}
+    return value
