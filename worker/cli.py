@@ -23,6 +23,7 @@ from worker.budget_options import (
     MaxPixels,
     MaxTokensPerFrame,
     MaxTokensPerVideo,
+    MergeKeep,
     MinPixels,
     PruneKeep,
     RedundancyThreshold,
@@ -162,6 +163,7 @@ def run(
     skip_redundant_frames: SkipFrames = True,
     redundancy_threshold: RedundancyThreshold = 3.0,
     prune_keep: PruneKeep = 1.0,
+    merge_keep: MergeKeep = 1.0,
 ) -> None:
     """Run a job in this process (embedded shape) and print its id. Exit 0 only if every unit succeeded."""
     from worker.pipeline import run_job
@@ -183,6 +185,7 @@ def run(
             skip_redundant_frames,
             redundancy_threshold,
             prune_keep,
+            merge_keep,
         ),  # fmt: skip
     )
     rt = _runtime(model)
@@ -227,6 +230,7 @@ def submit(
     skip_redundant_frames: SkipFrames = True,
     redundancy_threshold: RedundancyThreshold = 3.0,
     prune_keep: PruneKeep = 1.0,
+    merge_keep: MergeKeep = 1.0,
     wait: Annotated[bool, typer.Option("--wait", help="Show progress until the job ends.")] = False,
 ) -> None:
     """Send a job to the fleet (Celery workers); prints its id. Local files are uploaded to the store."""
@@ -249,6 +253,7 @@ def submit(
             skip_redundant_frames,
             redundancy_threshold,
             prune_keep,
+            merge_keep,
         ),  # fmt: skip
     )
     rt = _runtime(model)

@@ -64,7 +64,7 @@ class GenerateStage:
     def text_tokens(self, prompt: str) -> int:
         """Prompt tokens besides the image placeholders (template included)."""
         if prompt not in self._text_tokens:
-            self._text_tokens[prompt] = len(self.adapter.prompt_ids(prompt, 0))
+            self._text_tokens[prompt] = len(self.adapter.prompt_ids(prompt, None))
         return self._text_tokens[prompt]
 
     def plan(self, requests: Iterable[RequestRef]) -> list[Batch[RequestRef]]:
@@ -103,7 +103,7 @@ class GenerateStage:
             return f"visual tokens unavailable: {type(exc).__name__}: {exc}"
         spec, s = ref.spec, ref.spec.sampling
         return EngineRequest(
-            prompt_ids=self.adapter.prompt_ids(ref.prompt, visual.num_tokens),
+            prompt_ids=self.adapter.prompt_ids(ref.prompt, visual),
             visual=visual,
             cache_key=self.tokens.cache_key(ref.image_key, ref.bounds),
             max_new_tokens=s.max_new_tokens,
@@ -112,6 +112,7 @@ class GenerateStage:
             seed=s.seed,
             json_schema=spec.json_schema,
             prune_keep=spec.budget.prune_keep,
+            merge_keep=spec.budget.merge_keep,
         )
 
     def _generate(self, requests: list[EngineRequest]) -> list[Generation | str]:
@@ -169,5 +170,6 @@ class GenerateStage:
             completion_tokens=len(outcome.token_ids),
             finish_reason=outcome.finish_reason,
             pruned_tokens=outcome.pruned_tokens,
+            merged_tokens=outcome.merged_tokens,
             **common,
         )

@@ -120,7 +120,7 @@ def load_plan_model(model: str, revision: str | None = None) -> PlanModel:
     if adapter is not None:
 
         def counter(prompt: str) -> int:
-            return len(adapter.prompt_ids(prompt, 0))
+            return len(adapter.prompt_ids(prompt, None))
 
         try:
             counter("x")  # a tokenizer and a chat template: exact prompt tokens

@@ -14,6 +14,11 @@ placeholder to grid_t*grid_h*grid_w/merge^2 tokens from `image_grid_thw` and com
 positions itself, so it cannot take fewer embeddings than the grid implies. Such requests run
 unpruned, with a warning (once per engine) and `pruned_tokens=0` in their results; lower the
 token count at the source instead (`--detail`, `--max-pixels`), which vLLM takes like any grid.
+Token merging (`budget.merge_keep` < 1) likewise: run unmerged, warned once, `merged_tokens=0`.
+
+Families whose cached tokens vLLM cannot take (`ModelAdapter.vllm_unsupported`: Qwen3-VL, whose
+deepstack features vLLM's embeddings input drops, and Idefics3) are refused when the engine is
+built, with the reason; `VISBATCH_ENGINE=auto` picks transformers for them.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 
 from worker.engines.base import EngineRequest, Generation, RequestRejected
 from worker.models.base import ModelAdapter
+from worker.visual_tokens import InvalidVisualTokens, TokenSpec
 
 if TYPE_CHECKING:
     from storage.settings import Settings
@@ -43,6 +49,10 @@ INSTALL_HINT = (
 
 class VLLMUnavailable(RuntimeError):
     """The vllm engine was asked for where vLLM is not installed."""
+
+
+class VLLMUnsupportedFamily(ValueError):
+    """The vllm engine was asked for a model family whose cached tokens vLLM cannot take."""
 
 
 def vllm_available() -> bool:
@@ -85,26 +95,12 @@ def _torch_dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def check_request(request: EngineRequest, *, hidden_size: int, merge_size: int, dtype: torch.dtype) -> None:
+def check_request(request: EngineRequest, spec: TokenSpec) -> None:
     """Raise RequestRejected unless the request's visual tokens fit the model exactly."""
-    embeds, grid = request.visual.embeds, request.visual.grid_thw
-    if not isinstance(embeds, torch.Tensor) or not isinstance(grid, torch.Tensor):
-        raise RequestRejected("visual tokens are not tensors")
-    if tuple(grid.shape) != (1, 3) or grid.dtype not in (torch.int64, torch.int32):
-        raise RequestRejected(f"image_grid_thw must be (1, 3) int, got {tuple(grid.shape)} {grid.dtype}")
-    t, h, w = (int(x) for x in grid.view(-1))
-    if t < 1 or h % merge_size or w % merge_size or h < merge_size or w < merge_size:
-        raise RequestRejected(f"image_grid_thw {[t, h, w]} is not a grid of {merge_size}x{merge_size} merges")
-    expected = t * h * w // merge_size**2
-    if embeds.dim() != 2 or tuple(embeds.shape) != (expected, hidden_size):
-        raise RequestRejected(
-            f"image_embeds {tuple(embeds.shape)} do not fit grid {[t, h, w]}: "
-            f"the model wants ({expected}, {hidden_size})"
-        )
-    if embeds.dtype != dtype:
-        raise RequestRejected(f"image_embeds are {embeds.dtype}, the model runs in {dtype}")
-    if not torch.isfinite(embeds).all():
-        raise RequestRejected("image_embeds contain NaN or inf")
+    try:
+        request.visual.check(spec)
+    except InvalidVisualTokens as exc:
+        raise RequestRejected(str(exc)) from None
     if request.max_new_tokens < 1:
         raise RequestRejected("max_new_tokens must be at least 1")
 
@@ -124,10 +120,17 @@ class VLLMEngine:
         # Fail at construction, with the fix, rather than at the first batch.
         if not vllm_available():
             raise VLLMUnavailable(f"VISBATCH_ENGINE=vllm but vLLM is not installed: {INSTALL_HINT}")
+        unsupported = getattr(adapter, "vllm_unsupported", None)
+        if unsupported:
+            raise VLLMUnsupportedFamily(
+                f"VISBATCH_ENGINE=vllm cannot run {adapter.family}: {unsupported}; "
+                "use VISBATCH_ENGINE=transformers (or auto, which picks it for this family)"
+            )
         self.adapter = adapter
         self.options = options or VLLMOptions()
         self.prefix_cache = PrefixCacheCounts()
         self._warned_pruning = False
+        self._warned_merging = False
 
     # --- the LLM -------------------------------------------------------------------------
 
@@ -213,6 +216,14 @@ class VLLMEngine:
                     "spend fewer tokens, or VISBATCH_ENGINE=transformers to prune",
                     request.prune_keep,
                 )
+            if request.merge_keep < 1.0 and not self._warned_merging:
+                self._warned_merging = True
+                log.warning(
+                    "visual-token merging (merge_keep=%g) is ignored by the vLLM engine: vLLM sizes each "
+                    "image from its grid and cannot take fewer tokens; use --detail or --max-pixels to "
+                    "spend fewer tokens, or VISBATCH_ENGINE=transformers to merge",
+                    request.merge_keep,
+                )
             try:
                 self._check(request)
                 prompt = self.adapter.vllm_prompt(request.prompt_ids, request.visual, request.cache_key)
@@ -234,7 +245,7 @@ class VLLMEngine:
 
     def _check(self, request: EngineRequest) -> None:
         a = self.adapter
-        check_request(request, hidden_size=a.hidden_size, merge_size=a.merge_size, dtype=a.dtype)
+        check_request(request, a.token_spec)
         if len(request.prompt_ids) >= self.max_model_len:
             raise RequestRejected(
                 f"prompt of {len(request.prompt_ids)} tokens does not fit max_model_len={self.max_model_len}"
