@@ -37,7 +37,7 @@ def _through_cache(adapter, images: list[Image.Image]) -> list[VisualTokens]:
 def _requests(adapter, visuals: list[VisualTokens]) -> list[EngineRequest]:
     return [
         EngineRequest(
-            prompt_ids=adapter.prompt_ids(PROMPT, vt.num_tokens),
+            prompt_ids=adapter.prompt_ids(PROMPT, vt),
             visual=vt,
             cache_key=str(i),
             max_new_tokens=NEW_TOKENS,
