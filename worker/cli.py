@@ -489,6 +489,7 @@ RESULT_FIELDS = [
     "cache_hit",
     "latency_ms",
     "pruned_tokens",
+    "merged_tokens",
 ]
 
 
