@@ -2,7 +2,7 @@
 
 `VISBATCH_ENGINE` is `vllm`, `transformers`, or `auto` (the default): vLLM where it can be
 imported, the model runs on a GPU and vLLM can take the family's cached tokens; transformers
-everywhere else (a laptop, CI, a CPU worker, Qwen3-VL and Idefics3 models).
+everywhere else (a laptop, CI, a CPU worker, an Idefics3 model).
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ unpruned, with a warning (once per engine) and `pruned_tokens=0` in their result
 token count at the source instead (`--detail`, `--max-pixels`), which vLLM takes like any grid.
 Token merging (`budget.merge_keep` < 1) likewise: run unmerged, warned once, `merged_tokens=0`.
 
-Families whose cached tokens vLLM cannot take (`ModelAdapter.vllm_unsupported`: Qwen3-VL, whose
-deepstack features vLLM's embeddings input drops, and Idefics3) are refused when the engine is
-built, with the reason; `VISBATCH_ENGINE=auto` picks transformers for them.
+Families whose cached tokens vLLM cannot take (`ModelAdapter.vllm_unsupported`: Idefics3) are
+refused when the engine is built, with the reason; `VISBATCH_ENGINE=auto` picks transformers for
+them. Qwen3-VL needs its tower MODULE present in vLLM (never run) for deepstack: see
+`worker.models.qwen3_vl` and `ModelAdapter.vllm_llm_options`.
 """
 
 from __future__ import annotations
@@ -156,9 +157,9 @@ class VLLMEngine:
             revision=ref.revision,
             # The embeddings were made in the adapter's dtype; vLLM computes in the same one.
             dtype=_torch_dtype_name(self.adapter.dtype),
-            # Embeddings-only: cached tokens in, the vision tower is never loaded.
+            # Embeddings-only: cached tokens in; the family says whether the tower must be loaded.
             enable_mm_embeds=True,
-            limit_mm_per_prompt={"image": 0, "video": 0},
+            **self.adapter.vllm_llm_options(),
             enable_prefix_caching=True,
             # llguidance, compact JSON: the same grammar semantics as the transformers engine.
             structured_outputs_config={"backend": "guidance", "disable_any_whitespace": True},

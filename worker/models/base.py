@@ -202,6 +202,11 @@ class ModelAdapter(ABC):
             self, self.generation_inputs(prompts, visuals), visuals, prune_keeps, merge_keeps
         )
 
+    def vllm_llm_options(self) -> dict[str, Any]:
+        """Family-specific `vllm.LLM` arguments. Default: embeddings-only with no image or video
+        per prompt, so vLLM does not even load the vision tower."""
+        return {"limit_mm_per_prompt": {"image": 0, "video": 0}}
+
     def vllm_prompt(self, prompt_ids: list[int], visual: VisualTokens, uuid: str) -> dict[str, Any]:
         """The request as vLLM's `LLM.generate` takes it (a TokensPrompt dict), fed cached embeddings.
 

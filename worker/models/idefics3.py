@@ -16,8 +16,10 @@ How it differs from the Qwen families, and how the interface carries it:
   sequence position; a merge never joins two tiles, nor two rows of a tile (``token_rows``).
 
 vLLM (0.32) is not used for it: its Idefics3 builds each image's prompt replacement from the
-image's PIXEL size (``get_items("image", ImageProcessorItems)``), which an embeddings-only
-request does not carry; ``auto`` picks transformers and ``vllm`` is refused with that reason.
+image itself (``get_items("image", ImageProcessorItems)``): fed embeddings it raises "Expected
+type: ImageProcessorItems, but found type: ImageEmbeddingItems" (tried on the tiny model, in
+embeddings-only mode; with the tower loaded, the (tiles, tokens, hidden) tensor counts as one
+image per tile). ``auto`` picks transformers and ``vllm`` is refused with that reason.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ class Idefics3Adapter(ModelAdapter):
     family = "idefics3"
     model_class_name = "Idefics3ForConditionalGeneration"
     vllm_unsupported = (
-        "vLLM 0.32's Idefics3 builds each image's prompt (tile rows and columns) from the image's "
-        "pixel size, which cached embeddings do not carry"
+        "vLLM 0.32's Idefics3 builds each image's prompt (tile rows and columns) from the image "
+        "itself and refuses embedding inputs for it (TypeError: expected ImageProcessorItems)"
     )
 
     @cached_property
@@ -115,11 +117,22 @@ class Idefics3Adapter(ModelAdapter):
             inputs["pixel_values"].to(self.device, self.dtype),
             inputs["pixel_attention_mask"].to(self.device),
         ).pooler_output
-        out = []
-        for feature, rows, cols in zip(features, inputs["rows"], inputs["cols"], strict=True):
-            grid = torch.tensor([[1, rows[0], cols[0]]], dtype=torch.int64)
-            out.append(VisualTokens(embeds=feature.to("cpu", self.dtype).clone(), grid_thw=grid))
-        return out
+        # (tiles, tokens per tile, hidden) in transformers 5.19, a list per image in 5.20: either
+        # way the tiles of all images, in order; each image takes its own layout's share.
+        flat = (
+            torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+            if isinstance(features, (list, tuple))
+            else features.reshape(-1, features.shape[-1])
+        )
+        grids = [
+            torch.tensor([[1, rows[0], cols[0]]], dtype=torch.int64)
+            for rows, cols in zip(inputs["rows"], inputs["cols"], strict=True)
+        ]
+        chunks = torch.split(flat, [self.tokens_for_grid(g) for g in grids])
+        return [
+            VisualTokens(embeds=chunk.to("cpu", self.dtype).clone(), grid_thw=grid)
+            for chunk, grid in zip(chunks, grids, strict=True)
+        ]
 
     @cached_property
     def image_token_id(self) -> int:
@@ -159,6 +172,16 @@ class Idefics3Adapter(ModelAdapter):
             "attention_mask": attention.to(self.device),
             "mm_encoder_outputs": self.mm_encoder_outputs([v.embeds.to(self.dtype) for v in visuals], []),
         }
+
+    def mm_encoder_outputs(
+        self, embeds: list[torch.Tensor], extras: list[dict[str, torch.Tensor]]
+    ) -> dict[str, Any]:
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        # One (tokens, hidden) tensor for the batch: Idefics3 scatters it over the <image>
+        # positions in order (transformers before 5.20 takes no per-image tuple here).
+        merged = torch.cat([e.to(self.device, self.dtype) for e in embeds])
+        return {"image": BaseModelOutputWithPooling(pooler_output=merged)}
 
     def token_rows(self, visual: VisualTokens) -> list[int]:
         """Each tile's tokens are a square grid in row-major order (pixel shuffle keeps it)."""

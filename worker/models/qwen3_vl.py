@@ -10,11 +10,15 @@ What differs from Qwen2-VL for visbatch:
   are cached with the embeddings, in the same safetensors entry, as the extra ``deepstack``
   (layers, tokens, hidden), and injected exactly as the pixel path does, through
   ``mm_encoder_outputs`` (``BaseModelOutputWithDeepstackFeatures``);
-* vLLM (0.32) cannot take them: in embeddings-only mode (no tower loaded) its Qwen3-VL turns
-  deepstack off (``use_deepstack`` needs the tower module), and the embeddings input is checked
-  against the LM hidden size, so the tower's concatenated main+deepstack output is refused. Fed
-  the main embeddings alone it would generate without deepstack, i.e. not what this model
-  computes from the pixels. So the vLLM engine refuses this family and ``auto`` picks transformers.
+* vLLM (0.32) takes them as ONE ``image_embeds`` tensor, the main embeddings and the deepstack
+  maps concatenated along the hidden axis ((tokens, hidden x (1 + layers)), what its own tower
+  returns), but only when the tower MODULE exists in the LLM: in the usual embeddings-only mode
+  (``limit_mm_per_prompt`` image 0) vLLM does not build it, which turns deepstack off
+  (``use_deepstack``), and it then generates without deepstack (not this model's output) or, fed
+  the concatenation, crashes its engine. So for this family the LLM is built with one image per
+  prompt allowed (``vllm_llm_options``): the tower's weights are loaded (a few hundred MB for
+  the released models), never run, since every request brings embeddings. Found by running it,
+  and covered by ``tests/vllm/test_vllm_qwen3.py`` (token-for-token equal to transformers).
 """
 
 from __future__ import annotations
@@ -30,17 +34,11 @@ from worker.models.qwen2_vl import Qwen2VLAdapter
 from worker.visual_tokens import TokenSpec, VisualTokens
 
 DEEPSTACK = "deepstack"
-VLLM_UNSUPPORTED = (
-    "vLLM 0.32 drops Qwen3-VL's deepstack features when fed embeddings (embeddings-only mode loads "
-    "no tower, which turns deepstack off, and the embeddings input must be the LM hidden size), "
-    "so its output would not be this model's"
-)
 
 
 class Qwen3VLAdapter(Qwen2VLAdapter):
     family = "qwen3_vl"
     model_class_name = "Qwen3VLForConditionalGeneration"
-    vllm_unsupported = VLLM_UNSUPPORTED
 
     @cached_property
     def _modeling(self) -> Any:
@@ -95,6 +93,20 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
             pooler_output=tuple(e.to(self.device, self.dtype) for e in embeds), deepstack_features=layers
         )
         return {"image": output}
+
+    # --- vLLM ----------------------------------------------------------------------------------
+
+    def vllm_llm_options(self) -> dict[str, Any]:
+        # The tower module must exist for vLLM to apply deepstack (module docstring); it is never
+        # run: every request brings embeddings. Videos stay off (visbatch sends frames as images).
+        return {"limit_mm_per_prompt": {"image": 1, "video": 0}}
+
+    def vllm_prompt(self, prompt_ids: list[int], visual: VisualTokens, uuid: str) -> dict[str, Any]:
+        prompt = super().vllm_prompt(prompt_ids, visual, uuid)
+        # vLLM's Qwen3-VL splits [main | deepstack 1 | deepstack 2 ...] back along the hidden axis.
+        stacked = torch.cat([visual.embeds, *visual.extras[DEEPSTACK]], dim=-1)
+        prompt["multi_modal_data"]["image"]["image_embeds"] = stacked
+        return prompt
 
 
 class Qwen3VLMoeAdapter(Qwen3VLAdapter):

@@ -176,8 +176,15 @@ def tiny_config(
         text["head_dim"] = head_dim
     if family == "qwen3_vl_moe":
         # Four small experts, two per token: the routing runs for real, the model stays tiny.
+        # norm_topk_prob as the released checkpoints set it (transformers always renormalizes the
+        # top-k weights; vLLM reads the flag). The expert width is neither hidden nor hidden/2, so
+        # no expert matrix is square (see _experts_as_published).
         text.update(
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size, decoder_sparse_step=1
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden_size * 3 // 8,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
         )
     return config_class(
         text_config=text,
@@ -221,6 +228,22 @@ def _qwen_processor(family: str, tokenizer):
     )
 
 
+def _experts_as_published(out: Path) -> None:
+    """Store Qwen3-VL-MoE's fused expert weights the way the released checkpoints do.
+
+    transformers 5 saves them in its in-memory layout, (experts, 2 x moe width, hidden); the hub
+    checkpoints hold (experts, hidden, 2 x moe width), which transformers transposes on load (by
+    shape: hence no square expert matrix in the tiny config) and vLLM reads as is.
+    """
+    from safetensors.torch import load_file, save_file
+
+    for file in out.glob("*.safetensors"):
+        tensors = load_file(str(file))
+        for key in [k for k in tensors if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+            tensors[key] = tensors[key].transpose(1, 2).contiguous()
+        save_file(tensors, str(file), metadata={"format": "pt"})
+
+
 def write_tiny_model(
     out: Path,
     *,
@@ -258,6 +281,8 @@ def write_tiny_model(
             do_sample=False,
         )
         model.save_pretrained(out, safe_serialization=True)
+        if family == "qwen3_vl_moe":
+            _experts_as_published(out)
         _qwen_processor(family, tokenizer).save_pretrained(out)
     (out / "README.md").write_text(TINY_README.format(family=family))
     (out / "visbatch_tiny.json").write_text(
