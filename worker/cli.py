@@ -548,13 +548,20 @@ _register_plan()
 def model_tiny(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the model into.")],
     seed: Annotated[int, typer.Option()] = 0,
-    family: Annotated[str, typer.Option(help="qwen2_vl or qwen2_5_vl.")] = "qwen2_vl",
+    family: Annotated[
+        str, typer.Option(help="qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3-vl-moe or idefics3 (or qwen3_vl, ...).")
+    ] = "qwen2_vl",
 ) -> None:
-    """Write a tiny RANDOM Qwen2-VL that loads offline (for tests and demos; its outputs are meaningless)."""
-    from worker.models.tiny import write_tiny_model
+    """Write a tiny RANDOM model of a supported family that loads offline (for tests and demos; its
+    outputs are meaningless)."""
+    from worker.models.tiny import normalize_family, write_tiny_model
 
+    try:
+        family = normalize_family(family)
+    except ValueError as exc:
+        _fail(str(exc))
     write_tiny_model(out_dir, family=family, seed=seed)
-    console.print(f"wrote a tiny random Qwen2-VL to {out_dir} (random weights: outputs are meaningless)")
+    console.print(f"wrote a tiny random {family} to {out_dir} (random weights: outputs are meaningless)")
 
 
 @db_app.command("upgrade")
