@@ -163,9 +163,9 @@ class TileRule(TokenRule):
     `image_seq_len` tokens.
 
     Budgets speak pixels (PixelBounds); here only `max_pixels` means something: it becomes the
-    largest `longest_edge` (a whole number of tiles) whose square image stays within it, counting
-    the global view (see `longest_edge_for`). `min_pixels` has no effect: the processor always
-    scales the longest side to `longest_edge`, up or down.
+    largest `longest_edge` (a whole number of tiles, at most the model's own) whose square image
+    stays within it, counting the global view (see `longest_edge_for`). `min_pixels` has no
+    effect: the processor always scales the longest side to `longest_edge`, up or down.
     """
 
     family: str
@@ -190,7 +190,9 @@ class TileRule(TokenRule):
         if bounds is None or not self.split:
             return self.longest_edge
         slots = bounds.max_pixels // self.tile_pixels  # tiles, the global view included
-        return max(1, math.isqrt(max(slots - 1, 1))) * self.tile
+        # Never above the model's own: the processor UPSCALES every image to this edge, so a
+        # larger one would add tokens to every page, not just allow them for large ones.
+        return min(max(1, math.isqrt(max(slots - 1, 1))) * self.tile, self.longest_edge)
 
     @property
     def default_max(self) -> int:

@@ -119,3 +119,14 @@ def test_real_model_files():
     # A 1288-px A4 page (portrait): the long side becomes 2048 = 4 tiles, the short 1448 -> 3.
     assert granite_docling.tiles(911, 1288) == (4, 3)
     assert granite_docling.visual_tokens(911, 1288) == (12 + 1) * 64
+
+
+@pytest.mark.parametrize("detail", ["low", "medium", "high"])
+def test_a_detail_preset_never_adds_tiles(family_model_dir, detail):
+    """Idefics3 upscales every image to its longest edge: a preset may lower that edge, never raise it."""
+    from ingest.budget import VisualBudget, job_bounds
+
+    rule = load_token_rule(str(family_model_dir("idefics3")))
+    bounds = job_bounds(VisualBudget(detail=detail), ["x"], None, rule.token_geometry)
+    for width, height in [(56, 56), (911, 1288), (1280, 720), (97, 1500)]:
+        assert rule.visual_tokens(width, height, bounds) <= rule.visual_tokens(width, height)
