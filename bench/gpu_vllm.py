@@ -56,7 +56,7 @@ def _images(n: int, seed: int = 0) -> list[Image.Image]:
 def _requests(adapter, visuals, keys, prompts, new_tokens) -> list[EngineRequest]:
     # Prompts over one image stay adjacent, as the packer sends them (prefix-cache friendly).
     return [
-        EngineRequest(adapter.prompt_ids(p, vt.num_tokens), vt, key, max_new_tokens=new_tokens)
+        EngineRequest(adapter.prompt_ids(p, vt), vt, key, max_new_tokens=new_tokens)
         for vt, key in zip(visuals, keys, strict=True)
         for p in prompts
     ]

@@ -129,6 +129,13 @@ class VisualBudget(BaseModel):
     prune_keep: float = Field(
         1.0, gt=0, le=1, description="transformers engine: share of each image's visual tokens kept."
     )
+    merge_keep: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="transformers engine: share of each image's visual tokens left after merging "
+        "similar neighbours (before pruning).",
+    )
 
     @model_validator(mode="after")
     def _ordered_bounds(self) -> VisualBudget:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -24,6 +25,9 @@ from ingest.budget import PixelBounds, TokenGeometry
 
 # Model types whose image processor resizes with Qwen2-VL's smart_resize (patch x merge grid).
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# Model types whose image processor splits an image into square tiles plus a global view.
+TILE_FAMILIES = ("idefics3",)
+SUPPORTED_FAMILIES = QWEN_FAMILIES + TILE_FAMILIES
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 # Qwen2-VL's own defaults, used where a processor file leaves a value out.
 DEFAULT_PATCH_SIZE = 14
@@ -31,6 +35,10 @@ DEFAULT_MERGE_SIZE = 2
 DEFAULT_MIN_PIXELS = 56 * 56
 DEFAULT_MAX_PIXELS = 28 * 28 * 1280
 MAX_ASPECT_RATIO = 200
+# Idefics3's own defaults (transformers' Idefics3ImageProcessor / Idefics3Processor).
+DEFAULT_TILE_SIZE = 364
+DEFAULT_TILE_LONGEST_EDGE = 4 * 364
+TILE_MAX_IMAGE_SIZE = 4096  # Idefics3ImageProcessor's absolute cap on the resized image
 
 
 class ModelFilesUnavailable(FileNotFoundError):
@@ -65,9 +73,24 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+class TokenRule(ABC):
+    """One model's token rule: how many visual tokens an image becomes, without weights."""
+
+    family: str
+
+    @property
+    @abstractmethod
+    def token_geometry(self) -> TokenGeometry:
+        """Pixels per visual token and the processor's own bounds (for budgets)."""
+
+    @abstractmethod
+    def visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
+        """Visual tokens of a `width` x `height` image resized within `bounds` (None: the model's)."""
+
+
 @dataclass(frozen=True)
-class TokenRule:
-    """One model's token rule: a grid of (patch x merge)-px cells, one visual token per cell."""
+class SmartResizeRule(TokenRule):
+    """Qwen-VL families: a grid of (patch x merge)-px cells, one visual token per cell."""
 
     family: str
     patch_size: int
@@ -76,7 +99,7 @@ class TokenRule:
 
     @property
     def factor(self) -> int:
-        """Pixels per side of one visual token (Qwen2-VL: 14 x 2 = 28)."""
+        """Pixels per side of one visual token (Qwen2-VL: 14 x 2 = 28; Qwen3-VL: 16 x 2 = 32)."""
         return self.patch_size * self.merge_size
 
     @property
@@ -90,19 +113,11 @@ class TokenRule:
         return w, h
 
     def visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
-        """Visual tokens of a `width` x `height` image resized within `bounds` (None: the model's)."""
         w, h = self.resized(width, height, bounds)
         return (w // self.factor) * (h // self.factor)
 
     @classmethod
-    def from_files(cls, config: dict[str, Any], processor: dict[str, Any]) -> TokenRule:
-        """From the parsed config.json and preprocessor_config.json (or processor_config.json)."""
-        family = str(config.get("model_type", ""))
-        if family not in QWEN_FAMILIES:
-            raise UnsupportedModel(
-                f"model type {family!r} is not supported (supported: {', '.join(QWEN_FAMILIES)})"
-            )
-        data = processor.get("image_processor", processor)
+    def from_files(cls, family: str, data: dict[str, Any]) -> SmartResizeRule:
         size = data.get("size") or {}
         low = data.get("min_pixels") or size.get("shortest_edge") or DEFAULT_MIN_PIXELS
         high = data.get("max_pixels") or size.get("longest_edge") or DEFAULT_MAX_PIXELS
@@ -112,6 +127,139 @@ class TokenRule:
             merge_size=int(data.get("merge_size") or DEFAULT_MERGE_SIZE),
             default=PixelBounds(int(low), int(high)),
         )
+
+
+def _rescale_to_longest(height: int, width: int, longest: int) -> tuple[int, int]:
+    # Idefics3ImageProcessor: the longest side BECOMES `longest` (up or down), the other side
+    # follows the aspect ratio, rounded to an even number, at least 1.
+    aspect_ratio = width / height
+    if width >= height:
+        width = longest
+        height = int(width / aspect_ratio)
+        height += height % 2
+    else:
+        height = longest
+        width = int(height * aspect_ratio)
+        width += width % 2
+    return max(height, 1), max(width, 1)
+
+
+def _scale_below(height: int, width: int, cap: int) -> tuple[int, int]:
+    aspect_ratio = width / height
+    if width >= height and width > cap:
+        width = cap
+        height = int(width / aspect_ratio)
+    elif height > width and height > cap:
+        height = cap
+        width = int(height * aspect_ratio)
+    return max(height, 1), max(width, 1)
+
+
+@dataclass(frozen=True)
+class TileRule(TokenRule):
+    """Idefics3 (SmolDocling, granite-docling): the image's longest side is scaled to
+    `longest_edge`, both sides are rounded UP to whole `tile`-px tiles, and each tile plus one
+    global view of the whole image (only when there is more than one tile) becomes
+    `image_seq_len` tokens.
+
+    Budgets speak pixels (PixelBounds); here only `max_pixels` means something: it becomes the
+    largest `longest_edge` (a whole number of tiles, at most the model's own) whose square image
+    stays within it, counting the global view (see `longest_edge_for`). `min_pixels` has no
+    effect: the processor always scales the longest side to `longest_edge`, up or down.
+    """
+
+    family: str
+    tile: int  # px per side of one tile (max_image_size.longest_edge)
+    image_seq_len: int  # tokens per tile
+    longest_edge: int  # the processor's own size.longest_edge
+    split: bool = True  # do_image_splitting
+
+    @property
+    def tile_pixels(self) -> int:
+        return self.tile * self.tile
+
+    def max_pixels_for(self, longest_edge: int) -> int:
+        """The pixel bound that stands for `longest_edge`: a square image's tiles + global view."""
+        side = math.ceil(longest_edge / self.tile)
+        tiles = side * side + 1 if self.split and side > 1 else 1
+        return tiles * self.tile_pixels
+
+    def longest_edge_for(self, bounds: PixelBounds | None) -> int:
+        """The processor's `size.longest_edge` under `bounds` (None: its own): the most whole
+        tiles per side whose square image, global view included, stays within max_pixels."""
+        if bounds is None or not self.split:
+            return self.longest_edge
+        slots = bounds.max_pixels // self.tile_pixels  # tiles, the global view included
+        # Never above the model's own: the processor UPSCALES every image to this edge, so a
+        # larger one would add tokens to every page, not just allow them for large ones.
+        return min(max(1, math.isqrt(max(slots - 1, 1))) * self.tile, self.longest_edge)
+
+    @property
+    def default_max(self) -> int:
+        return self.max_pixels_for(self.longest_edge)
+
+    @property
+    def token_geometry(self) -> TokenGeometry:
+        return TokenGeometry(
+            token_pixels=self.tile_pixels // self.image_seq_len,
+            default=PixelBounds(self.tile_pixels, self.default_max),
+        )
+
+    def tiles(self, width: int, height: int, bounds: PixelBounds | None = None) -> tuple[int, int]:
+        """(rows, cols) of tiles as the processor returns them; (0, 0): one tile, no global view."""
+        if not self.split:
+            return 0, 0
+        h, w = _rescale_to_longest(height, width, self.longest_edge_for(bounds))
+        h, w = _scale_below(h, w, TILE_MAX_IMAGE_SIZE)
+        t = self.tile
+        aspect_ratio = w / h
+        if w >= h:
+            w = math.ceil(w / t) * t
+            h = math.ceil(int(w / aspect_ratio) / t) * t
+        else:
+            h = math.ceil(h / t) * t
+            w = math.ceil(int(h * aspect_ratio) / t) * t
+        if h > t or w > t:
+            return math.ceil(h / t), math.ceil(w / t)
+        return 0, 0
+
+    def tokens_for_tiles(self, rows: int, cols: int) -> int:
+        return (rows * cols + 1 if rows * cols else 1) * self.image_seq_len
+
+    def visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
+        return self.tokens_for_tiles(*self.tiles(width, height, bounds))
+
+    @classmethod
+    def from_files(cls, family: str, data: dict[str, Any], config: dict[str, Any]) -> TileRule:
+        size = data.get("size") or {}
+        tile = (data.get("max_image_size") or {}).get("longest_edge") or DEFAULT_TILE_SIZE
+        # Tokens per tile as the MODEL makes them (its processor's image_seq_len must agree):
+        # (tile px / patch px)^2 patches, pixel-shuffled by scale_factor^2.
+        vision = config.get("vision_config") or {}
+        patches = int(vision.get("image_size") or tile) // int(vision.get("patch_size") or 14)
+        seq_len = patches * patches // int(config.get("scale_factor") or 2) ** 2
+        if seq_len < 1:
+            raise UnsupportedModel(f"{family} vision config gives no tokens per tile: {vision}")
+        return cls(
+            family=family,
+            tile=int(tile),
+            image_seq_len=seq_len,
+            longest_edge=int(size.get("longest_edge") or DEFAULT_TILE_LONGEST_EDGE),
+            split=bool(data.get("do_image_splitting", True)),
+        )
+
+
+def rule_from_files(config: dict[str, Any], processor: dict[str, Any]) -> TokenRule:
+    """From the parsed config.json and preprocessor_config.json (or processor_config.json)."""
+    family = str(config.get("model_type", ""))
+    data = processor.get("image_processor", processor)
+    if family in QWEN_FAMILIES:
+        return SmartResizeRule.from_files(family, data)
+    if family in TILE_FAMILIES:
+        return TileRule.from_files(family, data, config)
+    raise UnsupportedModel(
+        f"model type {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})"
+    )
 
 
 def model_file(model: str, name: str, revision: str | None = None) -> Path | None:
@@ -162,5 +310,5 @@ def load_token_rule(model: str, revision: str | None = None) -> TokenRule:
     for name in PROCESSOR_FILES:
         processor = read_json_file(model, name, revision)
         if processor is not None:
-            return TokenRule.from_files(config, processor)
+            return rule_from_files(config, processor)
     raise ModelFilesUnavailable(f"model {model!r} has no {' or '.join(PROCESSOR_FILES)}")

@@ -1,7 +1,8 @@
 """Tokens a job spent and saved, counted from its unit and result rows (two aggregate queries + one).
 
 spent:  visual      tokens of the job's pages and frames (each encoded once, asked every prompt)
-        visual_to_lm  visual tokens the language model was given, over all requests (after pruning)
+        visual_to_lm  visual tokens the language model was given, over all requests (after merging
+                      and pruning)
         prompt / completion   text tokens in and out, over all requests
 saved:  detail          per page/frame: tokens at the model's own resize bounds minus tokens at
                         the job's (detail preset, --max-pixels, token caps)
@@ -9,6 +10,7 @@ saved:  detail          per page/frame: tokens at the model's own resize bounds 
         cache_hits      vision-tower tokens not computed: units whose tokens came from the cache
                         (another job, or an identical page or frame earlier in this job)
         pruning         visual tokens left out of the LM input, over all requests
+        merging         visual tokens merged into a neighbour before the LM, over all requests
 without_budget = visual + detail + skipped_frames: what the pages and frames would have cost at
 the model's own bounds with every frame kept.
 """
@@ -57,12 +59,13 @@ def token_report(session: Session, job_id: str) -> dict[str, Any]:
     distinct, with_key = session.execute(select(func.count(), func.coalesce(func.sum(encoded.c.n), 0))).one()
     r = RESULTS.c
     results_stmt = select(
-        func.coalesce(func.sum(r.visual_tokens - r.pruned_tokens), 0),
+        func.coalesce(func.sum(r.visual_tokens - r.pruned_tokens - r.merged_tokens), 0),
         func.coalesce(func.sum(r.pruned_tokens), 0),
+        func.coalesce(func.sum(r.merged_tokens), 0),
         func.coalesce(func.sum(r.prompt_tokens), 0),
         func.coalesce(func.sum(r.completion_tokens), 0),
     ).where(r.job_id == job_id)
-    to_lm, pruned, prompt, completion = (int(v) for v in session.execute(results_stmt).one())
+    to_lm, pruned, merged, prompt, completion = (int(v) for v in session.execute(results_stmt).one())
     return {
         "spent": {"visual": spent_visual, "visual_to_lm": to_lm, "prompt": prompt, "completion": completion},
         "saved": {
@@ -70,6 +73,7 @@ def token_report(session: Session, job_id: str) -> dict[str, Any]:
             "skipped_frames": saved_skipped,
             "cache_hits": hit_tokens,
             "pruning": pruned,
+            "merging": merged,
         },
         "without_budget": spent_visual + saved_detail + saved_skipped,
         "units_skipped": n_skipped,

@@ -37,7 +37,7 @@ def _through_cache(adapter, images: list[Image.Image]) -> list[VisualTokens]:
 def _requests(adapter, visuals: list[VisualTokens]) -> list[EngineRequest]:
     return [
         EngineRequest(
-            prompt_ids=adapter.prompt_ids(PROMPT, vt.num_tokens),
+            prompt_ids=adapter.prompt_ids(PROMPT, vt),
             visual=vt,
             cache_key=str(i),
             max_new_tokens=NEW_TOKENS,
@@ -83,3 +83,30 @@ def test_video_frames(family_adapter, tmp_path):
     eos = set(tiny_adapter.eos_token_ids)
     for frame, gen in zip(frames, engine.generate(_requests(tiny_adapter, visuals)), strict=True):
         _same_prefix(_from_pixels(tiny_adapter, frame.image), gen.token_ids, eos)
+
+
+@pytest.mark.slow
+def test_qwen3_deepstack_reaches_the_language_model(family_model_dir):
+    """The cached deepstack features are what the pixel path adds; without them the model differs."""
+    from worker.models import ModelRef, load_adapter
+
+    adapter = load_adapter(ModelRef(str(family_model_dir("qwen3_vl"))))
+    image = _random_image(448, 448, seed=7)
+    visual = _through_cache(adapter, [image])[0]
+    assert visual.extras["deepstack"].shape == (2, visual.num_tokens, adapter.hidden_size)
+
+    def last_logits(visuals) -> torch.Tensor:
+        prompts = [adapter.prompt_ids(PROMPT, v) for v in visuals]
+        with torch.inference_mode():
+            return adapter.model(**adapter.generation_inputs(prompts, visuals)).logits[:, -1]
+
+    processor = adapter.processor
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    with torch.inference_mode():
+        pixels = adapter.model(**processor(text=[text], images=[image], return_tensors="pt")).logits[:, -1]
+    assert torch.allclose(last_logits([visual]), pixels, atol=1e-4)
+    zeroed = VisualTokens(
+        visual.embeds, visual.grid_thw, {"deepstack": torch.zeros_like(visual.extras["deepstack"])}
+    )
+    assert (last_logits([zeroed]) - pixels).abs().max() > 1e-2

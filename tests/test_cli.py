@@ -105,3 +105,14 @@ def test_model_tiny_writes_a_loadable_model(tmp_path):
     assert result.exit_code == 0
     assert (tmp_path / "m" / "model.safetensors").is_file()
     assert "meaningless" in result.output
+
+
+@pytest.mark.parametrize("spelling", ["qwen3-vl", "qwen3_vl", "idefics3"])
+def test_model_tiny_of_another_family(tmp_path, spelling):
+    from worker.models import model_type
+
+    result = _run("model", "tiny", str(tmp_path / "m"), "--family", spelling)
+    assert result.exit_code == 0, result.output
+    assert model_type(str(tmp_path / "m")) == spelling.replace("-", "_")
+    bad = _run("model", "tiny", str(tmp_path / "x"), "--family", "llava")
+    assert bad.exit_code != 0 and "unknown family" in bad.output

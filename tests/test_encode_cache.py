@@ -68,15 +68,18 @@ def test_missing_image_is_an_error_on_the_unit(tokens):
     assert outcome.error and "missing" in outcome.error
 
 
-def test_vision_only_encode_equals_the_full_model(tiny_model_dir):
-    """Beside vLLM an encode worker loads the tower alone: same tokens, no LM weights."""
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+def test_vision_only_encode_equals_the_full_model(family_model_dir, family):
+    """Beside vLLM an encode worker loads the tower alone: same tokens (and deepstack), no LM weights."""
     from worker.models import ModelRef, load_adapter
 
     rng = np.random.default_rng(3)
     images = [Image.fromarray(rng.integers(0, 255, (120, 200, 3), dtype=np.uint8))]
-    full = load_adapter(ModelRef(str(tiny_model_dir)))
-    alone = load_adapter(ModelRef(str(tiny_model_dir)))
+    full = load_adapter(ModelRef(str(family_model_dir(family))))
+    alone = load_adapter(ModelRef(str(family_model_dir(family))))
     alone.vision_only = True
     expected, got = full.encode(images)[0], alone.encode(images)[0]
     assert torch.equal(expected.embeds, got.embeds) and torch.equal(expected.grid_thw, got.grid_thw)
+    assert expected.extras.keys() == got.extras.keys()
+    assert all(torch.equal(expected.extras[k], got.extras[k]) for k in expected.extras)
     assert "model" not in alone.__dict__  # the language model was never loaded

@@ -41,7 +41,7 @@ def test_constrained_generation_is_valid_json(tiny_adapter):
     images = [Image.fromarray(rng.integers(0, 255, (224, 224 + 28 * i, 3), dtype=np.uint8)) for i in range(3)]
     requests = [
         EngineRequest(
-            prompt_ids=tiny_adapter.prompt_ids("Classify this document.", vt.num_tokens),
+            prompt_ids=tiny_adapter.prompt_ids("Classify this document.", vt),
             visual=vt,
             cache_key=str(i),
             max_new_tokens=48,

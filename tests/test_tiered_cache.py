@@ -20,7 +20,7 @@ from storage.token_cache import (
 )
 from worker.models.base import ModelAdapter
 from worker.token_store import VisualTokenStore
-from worker.visual_tokens import VisualTokens
+from worker.visual_tokens import TokenSpec, VisualTokens
 
 TTL = 3600
 CAP = 64 * 1024
@@ -113,7 +113,8 @@ def test_entry_over_cap_stays_cold_only(
 
 def _token_store(cache: Any) -> VisualTokenStore:
     # lookup() only needs the adapter's fingerprint and shapes; no model is loaded.
-    adapter = SimpleNamespace(fingerprint="fp-test", hidden_size=4, merge_size=2, dtype=torch.float32)
+    spec = TokenSpec(hidden_size=4, dtype=torch.float32, tokens_for_grid=lambda grid: int(grid.prod()) // 4)
+    adapter = SimpleNamespace(fingerprint="fp-test", token_spec=spec)
     adapter.decode_tokens = lambda data, fp=None: ModelAdapter.decode_tokens(adapter, data, fp)
     return VisualTokenStore(adapter, cache, store=None)  # type: ignore[arg-type]
 

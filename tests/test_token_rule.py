@@ -1,30 +1,133 @@
-"""The ingest-time visual-token count equals what the processor actually produces."""
+"""The ingest-time visual-token count equals what the processor actually produces, for every family.
+
+The count comes from ``ingest.token_rules`` (the model's JSON files, no torch); the reference is
+the family's own transformers image processor on a real image of that size.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from ingest.budget import PixelBounds
+from ingest.token_rules import SmartResizeRule, TileRule, load_token_rule
+from tests.model_fixtures import FAMILIES
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+def _processor_tokens(adapter, width: int, height: int, bounds: PixelBounds | None = None) -> int:
+    """Tokens the family's processor makes of a `width` x `height` image, from its own outputs."""
+    image = Image.fromarray(np.zeros((height, width, 3), dtype=np.uint8))
+    processor = adapter.processor.image_processor
+    size = adapter._size_kwargs(bounds)
+    if isinstance(adapter.token_rule, TileRule):
+        out = processor(images=[[image]], return_tensors="pt", return_row_col_info=True, **size)
+        rows, cols = out["rows"][0][0], out["cols"][0][0]
+        # What the model will see: every real tile of the batch is image_seq_len tokens.
+        tiles = int((out["pixel_values"][0].flatten(1) != 0).any(dim=1).sum())
+        assert tiles == (rows * cols + 1 if rows * cols else 1)
+        return adapter.tokens_for_grid(torch.tensor([[1, rows, cols]]))
+    grid = processor(images=[image], return_tensors="pt", **size)["image_grid_thw"]
+    return int(grid.prod()) // adapter.merge_size**2
+
+
+@pytest.mark.slow
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     width=st.integers(min_value=10, max_value=2400),
     height=st.integers(min_value=10, max_value=2400),
 )
-def test_token_count_matches_processor(tiny_adapter, width, height):
-    if max(width, height) / min(width, height) > 200:
+def test_token_count_matches_processor(family_adapter, width, height):
+    rule = family_adapter.token_rule
+    if isinstance(rule, SmartResizeRule) and max(width, height) / min(width, height) > 200:
         with pytest.raises(ValueError):
-            tiny_adapter.visual_tokens(width, height)
+            family_adapter.visual_tokens(width, height)
         return
-    image = Image.fromarray(np.zeros((height, width, 3), dtype=np.uint8))
-    grid = tiny_adapter.processor.image_processor(images=[image], return_tensors="pt")["image_grid_thw"]
-    assert tiny_adapter.visual_tokens(width, height) == int(grid.prod()) // tiny_adapter.merge_size**2
+    assert family_adapter.visual_tokens(width, height) == _processor_tokens(family_adapter, width, height)
+
+
+@pytest.mark.slow
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    width=st.integers(min_value=20, max_value=2400),
+    height=st.integers(min_value=20, max_value=2400),
+    tokens=st.integers(min_value=1, max_value=1200),
+)
+def test_token_count_under_a_budget_matches_processor(family_adapter, width, height, tokens):
+    # A job's budget (--max-tokens-per-frame): the same bounds go to the rule and the processor.
+    if max(width, height) / min(width, height) > 100:
+        return
+    geometry = family_adapter.token_geometry
+    bounds = PixelBounds(
+        min(geometry.default.min_pixels, tokens * geometry.token_pixels), tokens * geometry.token_pixels
+    )
+    expected = _processor_tokens(family_adapter, width, height, bounds)
+    assert family_adapter.visual_tokens(width, height, bounds) == expected
+    if expected > tokens:  # only a floor overshoots the cap: one tile, one token per side, or
+        rule = family_adapter.token_rule  # a small image scaled up to min_pixels (rounded up)
+        if isinstance(rule, TileRule):
+            assert tokens < rule.image_seq_len
+        else:
+            floor = min(rule.resized(width, height, bounds)) == rule.factor
+            assert floor or width * height < bounds.min_pixels
 
 
 def test_known_counts(tiny_adapter):
     # Figures from the Qwen2-VL documentation: 448x448 -> 256 tokens, 1280x720 -> 1196.
     assert tiny_adapter.visual_tokens(448, 448) == 256
     assert tiny_adapter.visual_tokens(1280, 720) == 1196
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rule_from_the_json_files_alone(family_model_dir, family):
+    """The rule loads from the model's folder without transformers' processor: the family and its
+    numbers come from config.json and the processor file."""
+    rule = load_token_rule(str(family_model_dir(family)))
+    assert rule.family == family
+    if family.startswith("qwen3"):
+        assert isinstance(rule, SmartResizeRule) and rule.factor == 32  # 16-px patches merged 2x2
+    elif family == "idefics3":
+        assert isinstance(rule, TileRule) and (rule.tile, rule.image_seq_len, rule.longest_edge) == (
+            128,
+            16,
+            512,
+        )
+    else:
+        assert isinstance(rule, SmartResizeRule) and rule.factor == 28
+
+
+def test_real_model_files():
+    """The rule read from the JSON files real checkpoints ship (values as published on the hub)."""
+    from ingest.token_rules import rule_from_files
+
+    qwen3 = rule_from_files(
+        {"model_type": "qwen3_vl"},
+        {"size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16, "merge_size": 2},
+    )
+    assert qwen3.visual_tokens(1024, 1024) == 1024  # 32 x 32 px per token
+    granite_docling = rule_from_files(
+        {
+            "model_type": "idefics3",
+            "scale_factor": 4,
+            "vision_config": {"image_size": 512, "patch_size": 16},
+        },
+        {"size": {"longest_edge": 2048}, "max_image_size": {"longest_edge": 512}, "do_image_splitting": True},
+    )
+    assert granite_docling.image_seq_len == 64
+    # A 1288-px A4 page (portrait): the long side becomes 2048 = 4 tiles, the short 1448 -> 3.
+    assert granite_docling.tiles(911, 1288) == (4, 3)
+    assert granite_docling.visual_tokens(911, 1288) == (12 + 1) * 64
+
+
+@pytest.mark.parametrize("detail", ["low", "medium", "high"])
+def test_a_detail_preset_never_adds_tiles(family_model_dir, detail):
+    """Idefics3 upscales every image to its longest edge: a preset may lower that edge, never raise it."""
+    from ingest.budget import VisualBudget, job_bounds
+
+    rule = load_token_rule(str(family_model_dir("idefics3")))
+    bounds = job_bounds(VisualBudget(detail=detail), ["x"], None, rule.token_geometry)
+    for width, height in [(56, 56), (911, 1288), (1280, 720), (97, 1500)]:
+        assert rule.visual_tokens(width, height, bounds) <= rule.visual_tokens(width, height)

@@ -38,6 +38,13 @@ PruneKeep = Annotated[
     float,
     typer.Option(help="transformers engine: keep this share of each image's visual tokens (1 = off)."),
 ]
+MergeKeep = Annotated[
+    float,
+    typer.Option(
+        help="transformers engine: merge the most similar neighbouring visual tokens (averaging) until "
+        "this share of each image's tokens is left (1 = off); before --prune-keep."
+    ),
+]
 
 
 def visual_budget(
@@ -49,6 +56,7 @@ def visual_budget(
     skip_redundant_frames: bool = True,
     redundancy_threshold: float = DEFAULT_REDUNDANCY_THRESHOLD,
     prune_keep: float = 1.0,
+    merge_keep: float = 1.0,
 ) -> VisualBudget:
     """Raises ValueError (pydantic's) with a readable message for a bad value."""
     return VisualBudget(
@@ -60,6 +68,7 @@ def visual_budget(
         skip_redundant_frames=skip_redundant_frames,
         redundancy_threshold=redundancy_threshold,
         prune_keep=prune_keep,
+        merge_keep=merge_keep,
     )
 
 
@@ -79,7 +88,7 @@ def token_lines(tokens: dict | None) -> list[tuple[str, str]]:
             f"detail {saved['detail']:,}, skipped frames {saved['skipped_frames']:,} "
             f"({tokens['units_skipped']} frames), cache hits {saved['cache_hits']:,} "
             f"({tokens['cache_hit_units']} units, {tokens['identical_images']} identical images), "
-            f"pruning {saved['pruning']:,}",
+            f"pruning {saved['pruning']:,}, merging {saved['merging']:,}",
         ),
         ("visual tokens without budget", f"{tokens['without_budget']:,}"),
     ]

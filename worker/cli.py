@@ -25,6 +25,7 @@ from worker.budget_options import (
     MaxPixels,
     MaxTokensPerFrame,
     MaxTokensPerVideo,
+    MergeKeep,
     MinPixels,
     PruneKeep,
     RedundancyThreshold,
@@ -240,6 +241,7 @@ def run(
     skip_redundant_frames: SkipFrames = True,
     redundancy_threshold: RedundancyThreshold = 3.0,
     prune_keep: PruneKeep = 1.0,
+    merge_keep: MergeKeep = 1.0,
 ) -> None:
     """Run a job in this process (embedded shape); its id is printed first. Exit 0 only if every unit
     succeeded."""
@@ -260,6 +262,7 @@ def run(
             skip_redundant_frames,
             redundancy_threshold,
             prune_keep,
+            merge_keep,
         ),  # fmt: skip
     )
     rt = _runtime(model)
@@ -316,6 +319,7 @@ def submit(
     skip_redundant_frames: SkipFrames = True,
     redundancy_threshold: RedundancyThreshold = 3.0,
     prune_keep: PruneKeep = 1.0,
+    merge_keep: MergeKeep = 1.0,
     wait: Annotated[bool, typer.Option("--wait", help="Show progress until the job ends.")] = False,
 ) -> None:
     """Send a job to the fleet (Celery workers); prints its id. Local files are uploaded to the store."""
@@ -338,6 +342,7 @@ def submit(
             skip_redundant_frames,
             redundancy_threshold,
             prune_keep,
+            merge_keep,
         ),  # fmt: skip
     )
     rt = _runtime(model)
@@ -620,6 +625,7 @@ RESULT_FIELDS = [
     "cache_hit",
     "latency_ms",
     "pruned_tokens",
+    "merged_tokens",
 ]
 
 
@@ -679,13 +685,20 @@ _register_review(app)
 def model_tiny(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the model into.")],
     seed: Annotated[int, typer.Option()] = 0,
-    family: Annotated[str, typer.Option(help="qwen2_vl or qwen2_5_vl.")] = "qwen2_vl",
+    family: Annotated[
+        str, typer.Option(help="qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3-vl-moe or idefics3 (or qwen3_vl, ...).")
+    ] = "qwen2_vl",
 ) -> None:
-    """Write a tiny RANDOM Qwen2-VL that loads offline (for tests and demos; its outputs are meaningless)."""
-    from worker.models.tiny import write_tiny_model
+    """Write a tiny RANDOM model of a supported family that loads offline (for tests and demos; its
+    outputs are meaningless)."""
+    from worker.models.tiny import normalize_family, write_tiny_model
 
+    try:
+        family = normalize_family(family)
+    except ValueError as exc:
+        _fail(str(exc))
     write_tiny_model(out_dir, family=family, seed=seed)
-    console.print(f"wrote a tiny random Qwen2-VL to {out_dir} (random weights: outputs are meaningless)")
+    console.print(f"wrote a tiny random {family} to {out_dir} (random weights: outputs are meaningless)")
 
 
 @db_app.command("upgrade")

@@ -18,6 +18,7 @@ from worker.budget_options import (
     MaxPixels,
     MaxTokensPerFrame,
     MaxTokensPerVideo,
+    MergeKeep,
     MinPixels,
     PruneKeep,
     RedundancyThreshold,
@@ -70,6 +71,7 @@ def plan(
     skip_redundant_frames: SkipFrames = True,
     redundancy_threshold: RedundancyThreshold = 3.0,
     prune_keep: PruneKeep = 1.0,
+    merge_keep: MergeKeep = 1.0,
     throughput: Annotated[
         str | None,
         typer.Option(help="GPU throughput: '20000' or '20000tok/s' (prefill+decode tokens), or '3pages/s'."),
@@ -107,6 +109,7 @@ def plan(
                 skip_redundant_frames,
                 redundancy_threshold,
                 prune_keep,
+                merge_keep,
             ),  # fmt: skip
         )
         rate = Throughput.parse(throughput) if throughput else None

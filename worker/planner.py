@@ -88,22 +88,6 @@ def _config_file(model: str, name: str, revision: str | None) -> Path | None:
         return None
 
 
-def _processor_values(model: str, revision: str | None) -> tuple[int, int, int]:
-    """(factor, min_pixels, max_pixels) from preprocessor_config.json or processor_config.json."""
-    for name in ("preprocessor_config.json", "processor_config.json"):
-        path = _config_file(model, name, revision)
-        if path is None:
-            continue
-        data = json.loads(path.read_text())
-        data = data.get("image_processor", data)
-        size = data.get("size") or {}
-        low = data.get("min_pixels") or size.get("shortest_edge") or 56 * 56
-        high = data.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280
-        factor = int(data.get("patch_size", 14)) * int(data.get("merge_size", 2))
-        return factor, int(low), int(high)
-    raise FileNotFoundError(f"no preprocessor_config.json or processor_config.json for {model!r}")
-
-
 def load_plan_model(model: str, revision: str | None = None) -> PlanModel:
     """From the model's adapter when its processor loads (exact prompt tokens), else from its JSON files."""
     config_path = _config_file(model, "config.json", revision)
@@ -120,7 +104,7 @@ def load_plan_model(model: str, revision: str | None = None) -> PlanModel:
     if adapter is not None:
 
         def counter(prompt: str) -> int:
-            return len(adapter.prompt_ids(prompt, 0))
+            return len(adapter.prompt_ids(prompt, None))
 
         try:
             counter("x")  # a tokenizer and a chat template: exact prompt tokens
@@ -128,17 +112,12 @@ def load_plan_model(model: str, revision: str | None = None) -> PlanModel:
         except Exception:  # an image processor only: prompt tokens are estimated
             exact = None
         return PlanModel(model, geometry, kv, adapter.visual_tokens, exact)
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+    # The family's own rule from its JSON files (no torch, no transformers); an unsupported
+    # family is a clear error (UnsupportedModel) rather than another family's rule.
+    from ingest.token_rules import load_token_rule
 
-    factor, low, high = _processor_values(model, revision)
-    geometry = TokenGeometry(factor * factor, PixelBounds(low, high))
-
-    def tokens(width: int, height: int, bounds: PixelBounds | None = None) -> int:
-        b = bounds or geometry.default
-        h, w = smart_resize(height, width, factor=factor, min_pixels=b.min_pixels, max_pixels=b.max_pixels)
-        return (h // factor) * (w // factor)
-
-    return PlanModel(model, geometry, kv, tokens, None)
+    rule = load_token_rule(model, revision)
+    return PlanModel(model, rule.token_geometry, kv, rule.visual_tokens, None)
 
 
 def estimate_prompt_tokens(prompt: str) -> int:

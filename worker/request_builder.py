@@ -43,7 +43,7 @@ class RequestBuilder:
     def text_tokens(self, prompt: str) -> int:
         """Prompt tokens besides the image placeholders (template included)."""
         if prompt not in self._text_tokens:
-            self._text_tokens[prompt] = len(self.adapter.prompt_ids(prompt, 0))
+            self._text_tokens[prompt] = len(self.adapter.prompt_ids(prompt, None))
         return self._text_tokens[prompt]
 
     def prepare(self, unit: UnitTask, spec: JobSpec, prompt_indexes: list[int]) -> list[Prepared]:
@@ -65,7 +65,7 @@ class RequestBuilder:
                 spec,
                 p,
                 EngineRequest(
-                    prompt_ids=self.adapter.prompt_ids(spec.prompts[p], visual.num_tokens),
+                    prompt_ids=self.adapter.prompt_ids(spec.prompts[p], visual),
                     visual=visual,
                     cache_key=cache_key,
                     max_new_tokens=s.max_new_tokens,
@@ -74,6 +74,7 @@ class RequestBuilder:
                     seed=s.seed,
                     json_schema=spec.json_schema,
                     prune_keep=spec.budget.prune_keep,
+                    merge_keep=spec.budget.merge_keep,
                 ),
             )
             for p in prompt_indexes
@@ -118,6 +119,7 @@ class RequestBuilder:
             completion_tokens=len(outcome.token_ids),
             finish_reason=outcome.finish_reason,
             pruned_tokens=outcome.pruned_tokens,
+            merged_tokens=outcome.merged_tokens,
             **common,
         )
 

@@ -1,19 +1,30 @@
-"""Visual tokens of one image: the vision tower's merged embeddings plus the patch grid.
+"""Visual tokens of one image: the vision tower's output as the language model takes it.
 
-Stored as safetensors (never pickle), and validated against the model before anyone feeds
-them to an engine: a wrong shape must be a cache miss, not a crashed generation.
+* ``embeds`` (tokens, hidden): what goes in at the image-token positions;
+* ``grid_thw`` (1, 3) int64: the image's layout in the family's own units, read by its adapter
+  (Qwen: temporal, height, width patches before merging; Idefics3: 1, tile rows, tile columns);
+* ``extras``: other per-token outputs of the tower that the language model needs, each
+  (layers, tokens, width) (Qwen3-VL: ``deepstack``, the features its first decoder layers add).
+
+Stored as safetensors (never pickle), and checked against the model (``TokenSpec``, from the
+adapter) before anyone feeds them to an engine: a wrong shape must be a cache miss, not a
+crashed generation. Format 2 added ``extras``; a format-1 entry is a format-2 entry without
+them, so it still reads for families that need none (and is refused for those that do).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
+READABLE_VERSIONS = ("1", "2")
+EXTRA_PREFIX = "extra."
 
 
 class InvalidVisualTokens(ValueError):
@@ -21,9 +32,22 @@ class InvalidVisualTokens(ValueError):
 
 
 @dataclass(frozen=True)
+class TokenSpec:
+    """What one model's visual tokens must look like (``ModelAdapter.token_spec``)."""
+
+    hidden_size: int
+    dtype: torch.dtype
+    # Tokens a layout stands for; raises ValueError for a layout this model cannot produce.
+    tokens_for_grid: Callable[[torch.Tensor], int]
+    # name -> (layers, width) of each extra the model needs; no others are allowed.
+    extras: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, eq=False)
 class VisualTokens:
     embeds: torch.Tensor  # (tokens, hidden)
-    grid_thw: torch.Tensor  # (1, 3) int64: temporal, height, width patches before merging
+    grid_thw: torch.Tensor  # (1, 3) int64: the layout, in the family's units (see module doc)
+    extras: Mapping[str, torch.Tensor] = field(default_factory=dict)  # name -> (layers, tokens, width)
 
     @property
     def num_tokens(self) -> int:
@@ -31,36 +55,67 @@ class VisualTokens:
 
     def to_bytes(self, fingerprint: str) -> bytes:
         tensors = {"embeds": self.embeds.contiguous().cpu(), "grid_thw": self.grid_thw.to(torch.int64).cpu()}
+        for name, tensor in self.extras.items():
+            tensors[EXTRA_PREFIX + name] = tensor.contiguous().cpu()
         meta = {"format": FORMAT_VERSION, "fingerprint": fingerprint}
         return save_safetensors(tensors, metadata={"visbatch": json.dumps(meta)})
 
+    def check(self, spec: TokenSpec) -> None:
+        """Raise InvalidVisualTokens unless these tokens fit the model exactly."""
+        embeds, grid = self.embeds, self.grid_thw
+        if not isinstance(embeds, torch.Tensor) or not isinstance(grid, torch.Tensor):
+            raise InvalidVisualTokens("visual tokens are not tensors")
+        if tuple(grid.shape) != (1, 3) or grid.dtype not in (torch.int64, torch.int32):
+            raise InvalidVisualTokens(f"bad grid_thw {tuple(grid.shape)} {grid.dtype}")
+        try:
+            expected = spec.tokens_for_grid(grid)
+        except ValueError as exc:
+            raise InvalidVisualTokens(f"grid_thw {grid.tolist()}: {exc}") from None
+        if embeds.dim() != 2 or tuple(embeds.shape) != (expected, spec.hidden_size):
+            raise InvalidVisualTokens(
+                f"embeds {tuple(embeds.shape)} do not fit grid {grid.tolist()}: "
+                f"the model wants ({expected}, {spec.hidden_size})"
+            )
+        if set(self.extras) != set(spec.extras):
+            raise InvalidVisualTokens(
+                f"extras {sorted(self.extras)} do not match the model's {sorted(spec.extras)}"
+            )
+        for name, (layers, width) in spec.extras.items():
+            extra = self.extras[name]
+            if not isinstance(extra, torch.Tensor) or tuple(extra.shape) != (layers, expected, width):
+                shape = tuple(extra.shape) if isinstance(extra, torch.Tensor) else type(extra).__name__
+                raise InvalidVisualTokens(
+                    f"extra {name!r} {shape}, the model wants {(layers, expected, width)}"
+                )
+        for name, tensor in {"embeds": embeds, **self.extras}.items():
+            if tensor.dtype != spec.dtype:
+                raise InvalidVisualTokens(f"{name} dtype {tensor.dtype}, model wants {spec.dtype}")
+            if not torch.isfinite(tensor).all():
+                raise InvalidVisualTokens(f"{name} contain NaN or inf")
+
     @classmethod
-    def from_bytes(
-        cls, data: bytes, *, fingerprint: str, hidden_size: int, merge_size: int, dtype: torch.dtype
-    ) -> VisualTokens:
+    def from_bytes(cls, data: bytes, *, fingerprint: str, spec: TokenSpec) -> VisualTokens:
         """Parse and check an entry; raise InvalidVisualTokens on any mismatch."""
         try:
             tensors = load_safetensors(data)
+            meta = _metadata(data)
         except Exception as exc:  # safetensors raises its own error types on corrupt bytes
             raise InvalidVisualTokens(f"unreadable cache entry: {exc}") from exc
-        meta = _metadata(data)
+        if meta.get("format") not in READABLE_VERSIONS:
+            raise InvalidVisualTokens(f"cache entry format {meta.get('format')!r} is not readable here")
         if meta.get("fingerprint") != fingerprint:
             raise InvalidVisualTokens("cache entry was made by another model or preprocessing")
-        embeds, grid = tensors.get("embeds"), tensors.get("grid_thw")
+        embeds, grid = tensors.pop("embeds", None), tensors.pop("grid_thw", None)
         if embeds is None or grid is None:
             raise InvalidVisualTokens("cache entry lacks embeds or grid_thw")
-        if grid.shape != (1, 3) or grid.dtype != torch.int64:
+        extras = {k.removeprefix(EXTRA_PREFIX): v for k, v in tensors.items() if k.startswith(EXTRA_PREFIX)}
+        if len(extras) != len(tensors):
+            raise InvalidVisualTokens(f"cache entry has unknown tensors {sorted(tensors)}")
+        tokens = cls(embeds=embeds, grid_thw=grid, extras=extras)
+        if grid.dtype != torch.int64:
             raise InvalidVisualTokens(f"bad grid_thw {tuple(grid.shape)} {grid.dtype}")
-        expected = int(grid.prod()) // (merge_size**2)
-        if embeds.dim() != 2 or embeds.shape[0] != expected or embeds.shape[1] != hidden_size:
-            raise InvalidVisualTokens(
-                f"embeds {tuple(embeds.shape)} do not match grid {grid.tolist()} / hidden {hidden_size}"
-            )
-        if embeds.dtype != dtype:
-            raise InvalidVisualTokens(f"embeds dtype {embeds.dtype}, model wants {dtype}")
-        if not torch.isfinite(embeds).all():
-            raise InvalidVisualTokens("embeds contain NaN or inf")
-        return cls(embeds=embeds, grid_thw=grid)
+        tokens.check(spec)
+        return tokens
 
 
 def _metadata(data: bytes) -> dict:

@@ -24,7 +24,7 @@ def encode(adapter, images: list[Image.Image]) -> list[VisualTokens]:
 
 def request(adapter, vt: VisualTokens, key: str, prompt: str = "Describe this image.", **kw) -> EngineRequest:
     return EngineRequest(
-        prompt_ids=adapter.prompt_ids(prompt, vt.num_tokens),
+        prompt_ids=adapter.prompt_ids(prompt, vt),
         visual=vt,
         cache_key=key,
         max_new_tokens=kw.pop("max_new_tokens", NEW_TOKENS),

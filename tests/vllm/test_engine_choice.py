@@ -70,3 +70,37 @@ def test_vllm_engine_is_built_lazily_from_settings(monkeypatch):
 def test_unknown_engine(monkeypatch):
     with pytest.raises(ValueError, match="unknown engine"):
         make_engine("tensorrt", FakeAdapter("cpu"), Settings())
+
+
+class FamilyAdapter(FakeAdapter):
+    """An adapter of a family vLLM cannot take (Idefics3's reason), or of one it can."""
+
+    def __init__(self, device: str, unsupported: str | None) -> None:
+        super().__init__(device)
+        self.family = "idefics3" if unsupported else "qwen3_vl"
+        self.vllm_unsupported = unsupported
+
+
+REASON = "vLLM builds its prompt from the pixel size"
+
+
+def test_auto_picks_transformers_for_a_family_vllm_cannot_take(monkeypatch):
+    monkeypatch.setattr(vllm_module, "vllm_available", lambda: True)
+    assert resolve_engine_name("auto", FamilyAdapter("cuda", REASON)) == "transformers"
+    assert resolve_engine_name("auto", FamilyAdapter("cuda", None)) == "vllm"  # Qwen3-VL: vLLM takes it
+
+
+def test_asking_vllm_for_such_a_family_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(vllm_module, "vllm_available", lambda: True)
+    with pytest.raises(
+        vllm_module.VLLMUnsupportedFamily, match=r"cannot run idefics3: vLLM builds .*transformers"
+    ):
+        make_engine("vllm", FamilyAdapter("cuda", REASON), Settings())
+
+
+def test_real_adapters_say_whether_vllm_takes_them():
+    from worker.models import adapter_class
+
+    assert adapter_class("idefics3").vllm_unsupported
+    for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
+        assert adapter_class(family).vllm_unsupported is None, family

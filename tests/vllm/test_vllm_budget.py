@@ -1,5 +1,6 @@
 """The budget under vLLM: smaller grids from --detail are taken like any other (and equal the
-transformers engine), pruning is ignored with a warning (vLLM sizes an image from its grid)."""
+transformers engine), pruning and merging are ignored with a warning (vLLM sizes an image from its
+grid)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,15 @@ def test_pruning_is_ignored_with_a_warning(vllm_engine, hf_engine, vllm_adapter,
     assert "pruning" in caplog.text and "ignored by the vLLM engine" in caplog.text
     assert [g.pruned_tokens for g in out] == [0, 0]
     assert_same(out, hf_engine.generate(plain))  # generated unpruned
+
+
+def test_merging_is_ignored_with_a_warning(vllm_engine, hf_engine, vllm_adapter, caplog):
+    visuals = _encode_low(vllm_adapter)
+    merged = [request(vllm_adapter, vt, f"merge-{i}", merge_keep=0.5) for i, vt in enumerate(visuals)]
+    plain = [request(vllm_adapter, vt, f"merge-{i}") for i, vt in enumerate(visuals)]
+    vllm_engine._warned_merging = False
+    with caplog.at_level(logging.WARNING, logger="worker.engines.vllm_engine"):
+        out = vllm_engine.generate(merged)
+    assert "merging" in caplog.text and "ignored by the vLLM engine" in caplog.text
+    assert [g.merged_tokens for g in out] == [0, 0]
+    assert_same(out, hf_engine.generate(plain))  # generated unmerged

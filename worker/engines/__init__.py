@@ -1,11 +1,13 @@
 """Engines behind one interface; the pipeline picks one by name and never branches on it.
 
 `VISBATCH_ENGINE` is `vllm`, `transformers`, or `auto` (the default): vLLM where it can be
-imported and the model runs on a GPU, transformers everywhere else (a laptop, CI, a CPU worker).
+imported, the model runs on a GPU and vLLM can take the family's cached tokens; transformers
+everywhere else (a laptop, CI, a CPU worker, an Idefics3 model).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from worker.engines.base import Engine, EngineRequest, Generation, RequestRejected
@@ -13,6 +15,8 @@ from worker.engines.base import Engine, EngineRequest, Generation, RequestReject
 if TYPE_CHECKING:
     from storage.settings import Settings
     from worker.models.base import ModelAdapter
+
+log = logging.getLogger(__name__)
 
 ENGINES = ("vllm", "transformers")
 
@@ -23,6 +27,10 @@ def resolve_engine_name(name: str, adapter: ModelAdapter) -> str:
         return name
     from worker.engines.vllm_engine import vllm_available
 
+    unsupported = getattr(adapter, "vllm_unsupported", None)
+    if unsupported and adapter.device.type == "cuda":
+        log.info("VISBATCH_ENGINE=auto: transformers for %s (%s)", adapter.family, unsupported)
+        return "transformers"
     # The adapter's device follows VISBATCH_DEVICE, so VISBATCH_DEVICE=cpu also means transformers.
     return "vllm" if adapter.device.type == "cuda" and vllm_available() else "transformers"
 

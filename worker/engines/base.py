@@ -31,6 +31,8 @@ class EngineRequest:
     json_schema: dict[str, Any] | None = field(default=None, hash=False)
     # Share of the image's visual tokens given to the LM (transformers engine; 1.0 = all).
     prune_keep: float = 1.0
+    # Share of the image's visual tokens left after merging similar neighbours (transformers engine).
+    merge_keep: float = 1.0
 
     @property
     def sampling_key(self) -> tuple[float, float, int]:
@@ -49,6 +51,8 @@ class Generation:
     cached_tokens: int | None = None
     # Visual tokens left out of the LM input by pruning (0: none, or an engine that cannot prune).
     pruned_tokens: int = 0
+    # Visual tokens merged into a neighbour before the LM (0: none, or an engine that cannot merge).
+    merged_tokens: int = 0
 
     @classmethod
     def failed(cls, error: str) -> Generation:

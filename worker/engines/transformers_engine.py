@@ -136,10 +136,12 @@ class TransformersEngine(StepEngine):
         adapter = self.adapter
         model = adapter.model
         prompts, visuals = [r.prompt_ids for r in requests], [r.visual for r in requests]
-        keeps = [r.prune_keep for r in requests]
-        pruned = [0] * len(requests)
-        if any(keep < 1.0 for keep in keeps):  # kept tokens keep their positions: worker.pruning
-            inputs, pruned = adapter.pruned_generation_inputs(prompts, visuals, keeps)
+        prune_keeps, merge_keeps = [r.prune_keep for r in requests], [r.merge_keep for r in requests]
+        pruned = merged = [0] * len(requests)
+        if any(keep < 1.0 for keep in prune_keeps + merge_keeps):  # positions kept: worker.token_reduction
+            inputs, pruned, merged = adapter.reduced_generation_inputs(
+                prompts, visuals, prune_keeps, merge_keeps
+            )
         else:
             inputs = adapter.generation_inputs(prompts, visuals)
         first = requests[0]
@@ -165,11 +167,13 @@ class TransformersEngine(StepEngine):
         )
         width = inputs["input_ids"].shape[1]
         return [
-            self._decode(output[row, width:].tolist(), r.max_new_tokens, pruned[row])
+            self._decode(output[row, width:].tolist(), r.max_new_tokens, pruned[row], merged[row])
             for row, r in enumerate(requests)
         ]
 
-    def _decode(self, new_ids: list[int], max_new_tokens: int, pruned_tokens: int = 0) -> Generation:
+    def _decode(
+        self, new_ids: list[int], max_new_tokens: int, pruned_tokens: int = 0, merged_tokens: int = 0
+    ) -> Generation:
         eos = set(self.adapter.eos_token_ids)
         new_ids = new_ids[:max_new_tokens]
         finish = "length"
@@ -178,4 +182,10 @@ class TransformersEngine(StepEngine):
                 new_ids, finish = new_ids[:pos], "stop"
                 break
         text = self.adapter.tokenizer.decode(new_ids, skip_special_tokens=True)
-        return Generation(token_ids=new_ids, text=text, finish_reason=finish, pruned_tokens=pruned_tokens)
+        return Generation(
+            token_ids=new_ids,
+            text=text,
+            finish_reason=finish,
+            pruned_tokens=pruned_tokens,
+            merged_tokens=merged_tokens,
+        )

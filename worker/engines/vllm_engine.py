@@ -14,6 +14,12 @@ placeholder to grid_t*grid_h*grid_w/merge^2 tokens from `image_grid_thw` and com
 positions itself, so it cannot take fewer embeddings than the grid implies. Such requests run
 unpruned, with a warning (once per engine) and `pruned_tokens=0` in their results; lower the
 token count at the source instead (`--detail`, `--max-pixels`), which vLLM takes like any grid.
+Token merging (`budget.merge_keep` < 1) likewise: run unmerged, warned once, `merged_tokens=0`.
+
+Families whose cached tokens vLLM cannot take (`ModelAdapter.vllm_unsupported`: Idefics3) are
+refused when the engine is built, with the reason; `VISBATCH_ENGINE=auto` picks transformers for
+them. Qwen3-VL needs its tower MODULE present in vLLM (never run) for deepstack: see
+`worker.models.qwen3_vl` and `ModelAdapter.vllm_llm_options`.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 
 from worker.engines.base import EngineRequest, Generation, RequestRejected, StepEngine
 from worker.models.base import ModelAdapter
+from worker.visual_tokens import InvalidVisualTokens, TokenSpec
 
 if TYPE_CHECKING:
     from storage.settings import Settings
@@ -43,6 +50,10 @@ INSTALL_HINT = (
 
 class VLLMUnavailable(RuntimeError):
     """The vllm engine was asked for where vLLM is not installed."""
+
+
+class VLLMUnsupportedFamily(ValueError):
+    """The vllm engine was asked for a model family whose cached tokens vLLM cannot take."""
 
 
 def vllm_available() -> bool:
@@ -85,26 +96,12 @@ def _torch_dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def check_request(request: EngineRequest, *, hidden_size: int, merge_size: int, dtype: torch.dtype) -> None:
+def check_request(request: EngineRequest, spec: TokenSpec) -> None:
     """Raise RequestRejected unless the request's visual tokens fit the model exactly."""
-    embeds, grid = request.visual.embeds, request.visual.grid_thw
-    if not isinstance(embeds, torch.Tensor) or not isinstance(grid, torch.Tensor):
-        raise RequestRejected("visual tokens are not tensors")
-    if tuple(grid.shape) != (1, 3) or grid.dtype not in (torch.int64, torch.int32):
-        raise RequestRejected(f"image_grid_thw must be (1, 3) int, got {tuple(grid.shape)} {grid.dtype}")
-    t, h, w = (int(x) for x in grid.view(-1))
-    if t < 1 or h % merge_size or w % merge_size or h < merge_size or w < merge_size:
-        raise RequestRejected(f"image_grid_thw {[t, h, w]} is not a grid of {merge_size}x{merge_size} merges")
-    expected = t * h * w // merge_size**2
-    if embeds.dim() != 2 or tuple(embeds.shape) != (expected, hidden_size):
-        raise RequestRejected(
-            f"image_embeds {tuple(embeds.shape)} do not fit grid {[t, h, w]}: "
-            f"the model wants ({expected}, {hidden_size})"
-        )
-    if embeds.dtype != dtype:
-        raise RequestRejected(f"image_embeds are {embeds.dtype}, the model runs in {dtype}")
-    if not torch.isfinite(embeds).all():
-        raise RequestRejected("image_embeds contain NaN or inf")
+    try:
+        request.visual.check(spec)
+    except InvalidVisualTokens as exc:
+        raise RequestRejected(str(exc)) from None
     if request.max_new_tokens < 1:
         raise RequestRejected("max_new_tokens must be at least 1")
 
@@ -133,11 +130,18 @@ class VLLMEngine(StepEngine):
         # Fail at construction, with the fix, rather than at the first batch.
         if not vllm_available():
             raise VLLMUnavailable(f"VISBATCH_ENGINE=vllm but vLLM is not installed: {INSTALL_HINT}")
+        unsupported = getattr(adapter, "vllm_unsupported", None)
+        if unsupported:
+            raise VLLMUnsupportedFamily(
+                f"VISBATCH_ENGINE=vllm cannot run {adapter.family}: {unsupported}; "
+                "use VISBATCH_ENGINE=transformers (or auto, which picks it for this family)"
+            )
         self.adapter = adapter
         self.options = options or VLLMOptions()
         super().__init__()
         self.prefix_cache = PrefixCacheCounts()
         self._warned_pruning = False
+        self._warned_merging = False
         self._live: set[str] = set()  # our ids of the requests inside vLLM (vLLM reports them so)
         self._ready: list[tuple[str, Generation]] = []  # refused before reaching vLLM
 
@@ -165,9 +169,9 @@ class VLLMEngine(StepEngine):
             revision=ref.revision,
             # The embeddings were made in the adapter's dtype; vLLM computes in the same one.
             dtype=_torch_dtype_name(self.adapter.dtype),
-            # Embeddings-only: cached tokens in, the vision tower is never loaded.
+            # Embeddings-only: cached tokens in; the family says whether the tower must be loaded.
             enable_mm_embeds=True,
-            limit_mm_per_prompt={"image": 0, "video": 0},
+            **self.adapter.vllm_llm_options(),
             enable_prefix_caching=True,
             # llguidance, compact JSON: the same grammar semantics as the transformers engine.
             structured_outputs_config={"backend": "guidance", "disable_any_whitespace": True},
@@ -224,6 +228,14 @@ class VLLMEngine(StepEngine):
                 "spend fewer tokens, or VISBATCH_ENGINE=transformers to prune",
                 request.prune_keep,
             )
+        if request.merge_keep < 1.0 and not self._warned_merging:
+            self._warned_merging = True
+            log.warning(
+                "visual-token merging (merge_keep=%g) is ignored by the vLLM engine: vLLM sizes each "
+                "image from its grid and cannot take fewer tokens; use --detail or --max-pixels to "
+                "spend fewer tokens, or VISBATCH_ENGINE=transformers to merge",
+                request.merge_keep,
+            )
         try:
             self._check(request)
             prompt = self.adapter.vllm_prompt(request.prompt_ids, request.visual, request.cache_key)
@@ -253,7 +265,7 @@ class VLLMEngine(StepEngine):
 
     def _check(self, request: EngineRequest) -> None:
         a = self.adapter
-        check_request(request, hidden_size=a.hidden_size, merge_size=a.merge_size, dtype=a.dtype)
+        check_request(request, a.token_spec)
         if len(request.prompt_ids) >= self.max_model_len:
             raise RequestRejected(
                 f"prompt of {len(request.prompt_ids)} tokens does not fit max_model_len={self.max_model_len}"

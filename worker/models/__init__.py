@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 ADAPTERS: dict[str, str] = {
     "qwen2_vl": "worker.models.qwen2_vl:Qwen2VLAdapter",
     "qwen2_5_vl": "worker.models.qwen2_vl:Qwen25VLAdapter",
+    "qwen3_vl": "worker.models.qwen3_vl:Qwen3VLAdapter",
+    "qwen3_vl_moe": "worker.models.qwen3_vl:Qwen3VLMoeAdapter",
+    "idefics3": "worker.models.idefics3:Idefics3Adapter",
 }
 
 

@@ -4,6 +4,11 @@ Four things, and nothing else: the token rule (how many visual tokens an image o
 size becomes, without weights), encode (pixels -> visual tokens with the vision tower), the
 prompt template, and how generation inputs are built from cached tokens (embedding injection).
 Engines and the pipeline only talk to this interface, so adding a family is one module.
+
+Nothing here knows a family's geometry: the layout of an image's tokens (`VisualTokens.grid_thw`),
+its positions (M-RoPE for Qwen, plain 1-D for Idefics3) and the extra tower outputs its language
+model takes are read and written by the family's own adapter; token pruning and merging
+(`reduced_generation_inputs`) only ask it for the full batch's positions and its grid rows.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from PIL import Image
 
 from ingest.budget import PixelBounds, TokenGeometry
 from ingest.token_rules import TokenRule, load_token_rule
-from worker.visual_tokens import VisualTokens
+from worker.visual_tokens import TokenSpec, VisualTokens
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,8 @@ class ModelAdapter(ABC):
     family: str = ""
     # Set when another engine (vLLM) generates: encoding then loads the vision tower alone.
     vision_only: bool = False
+    # Why the vLLM engine cannot generate for this family from cached tokens (None: it can).
+    vllm_unsupported: str | None = "visbatch has no vLLM inputs for this model family"
 
     def __init__(self, ref: ModelRef) -> None:
         self.ref = ref
@@ -108,7 +115,8 @@ class ModelAdapter(ABC):
 
     @property
     @abstractmethod
-    def merge_size(self) -> int: ...
+    def token_spec(self) -> TokenSpec:
+        """What this model's visual tokens must look like (layout -> count, hidden size, extras)."""
 
     @property
     @abstractmethod
@@ -123,20 +131,81 @@ class ModelAdapter(ABC):
     def encode(self, images: list[Image.Image], bounds: PixelBounds | None = None) -> list[VisualTokens]:
         """Run the vision tower over a batch of images (resized within `bounds`)."""
 
+    def prompt_ids(self, prompt: str, visual: VisualTokens | None) -> list[int]:
+        """Token ids of the chat prompt with the image first and its placeholders expanded.
+
+        The image's layout can shape the prompt (Idefics3 tags every tile), so it takes the
+        visual tokens themselves; None gives the prompt without image placeholders (a count of
+        the text tokens, e.g. for the planner).
+        """
+        if visual is not None and not isinstance(visual, VisualTokens):
+            raise TypeError(
+                "prompt_ids takes the image's VisualTokens (their layout shapes the prompt), "
+                f"or None for the text alone; got {type(visual).__name__}"
+            )
+        return self.template_ids(prompt, visual)
+
     @abstractmethod
-    def prompt_ids(self, prompt: str, num_visual_tokens: int) -> list[int]:
-        """Token ids of the chat prompt with the image first and its placeholders expanded."""
+    def template_ids(self, prompt: str, visual: VisualTokens | None) -> list[int]:
+        """`prompt_ids` for this family (its arguments already checked)."""
+
+    @property
+    @abstractmethod
+    def image_token_id(self) -> int:
+        """The placeholder id whose positions take the visual tokens."""
 
     @abstractmethod
     def generation_inputs(self, prompts: list[list[int]], visuals: list[VisualTokens]) -> dict[str, Any]:
         """Left-padded batch inputs for `model.generate` with cached embeddings injected."""
 
-    def pruned_generation_inputs(
-        self, prompts: list[list[int]], visuals: list[VisualTokens], keeps: list[float]
-    ) -> tuple[dict[str, Any], list[int]]:
-        """Like `generation_inputs`, each row's visual tokens pruned to the fraction `keeps[row]`
-        (kept tokens keep their positions); also returns the tokens pruned per row."""
-        raise NotImplementedError(f"{type(self).__name__} cannot prune visual tokens")
+    # --- token pruning and merging (transformers engine) ----------------------------------
+
+    def token_rows(self, visual: VisualTokens) -> list[int]:
+        """Lengths of the image's grid rows, in token order: merging joins neighbours in a row only."""
+        return [visual.num_tokens]
+
+    def prompt_positions(self, inputs: dict[str, Any]) -> torch.Tensor:
+        """Positions of the full batch (generation_inputs), as (rows, batch, length): what the
+        model itself would use. Default: plain 1-D positions of a left-padded batch."""
+        mask = inputs["attention_mask"]
+        return (mask.long().cumsum(-1) - 1).clamp(min=0).unsqueeze(0)
+
+    def positions_for_generate(self, positions: torch.Tensor) -> torch.Tensor:
+        """`prompt_positions`' layout as `generate(position_ids=...)` takes it."""
+        return positions[0] if positions.shape[0] == 1 else positions
+
+    def mm_encoder_outputs(
+        self, embeds: list[torch.Tensor], extras: list[dict[str, torch.Tensor]]
+    ) -> dict[str, Any]:
+        """The `mm_encoder_outputs` that put these embeddings (and extras) at the image positions."""
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        return {"image": BaseModelOutputWithPooling(pooler_output=tuple(e.to(self.device) for e in embeds))}
+
+    # Per-column inputs besides input_ids and attention_mask that drop with a dropped column.
+    column_inputs: tuple[str, ...] = ()
+
+    def reduced_generation_inputs(
+        self,
+        prompts: list[list[int]],
+        visuals: list[VisualTokens],
+        prune_keeps: list[float],
+        merge_keeps: list[float],
+    ) -> tuple[dict[str, Any], list[int], list[int]]:
+        """Like `generation_inputs`, each row's image merged to `merge_keeps[row]` of its tokens
+        and then pruned to `prune_keeps[row]` of what is left (worker.token_reduction); every
+        token that stays keeps its original position. Also returns the tokens pruned and merged
+        away per row."""
+        from worker.token_reduction import reduce_inputs
+
+        return reduce_inputs(
+            self, self.generation_inputs(prompts, visuals), visuals, prune_keeps, merge_keeps
+        )
+
+    def vllm_llm_options(self) -> dict[str, Any]:
+        """Family-specific `vllm.LLM` arguments. Default: embeddings-only with no image or video
+        per prompt, so vLLM does not even load the vision tower."""
+        return {"limit_mm_per_prompt": {"image": 0, "video": 0}}
 
     def vllm_prompt(self, prompt_ids: list[int], visual: VisualTokens, uuid: str) -> dict[str, Any]:
         """The request as vLLM's `LLM.generate` takes it (a TokensPrompt dict), fed cached embeddings.
@@ -144,16 +213,12 @@ class ModelAdapter(ABC):
         `prompt_ids` are ours (placeholders expanded); `uuid` names the image for vLLM's caches.
         Raises ValueError when the prompt and the visual tokens do not belong together.
         """
-        raise NotImplementedError(f"{type(self).__name__} cannot build vLLM inputs")
+        raise NotImplementedError(f"{type(self).__name__} cannot build vLLM inputs: {self.vllm_unsupported}")
 
     def decode_tokens(self, data: bytes, fingerprint: str | None = None) -> VisualTokens:
         """A serialized cache entry, checked against this model (InvalidVisualTokens otherwise)."""
         return VisualTokens.from_bytes(
-            data,
-            fingerprint=fingerprint or self.fingerprint,
-            hidden_size=self.hidden_size,
-            merge_size=self.merge_size,
-            dtype=self.dtype,
+            data, fingerprint=fingerprint or self.fingerprint, spec=self.token_spec
         )
 
     @property

@@ -1,4 +1,8 @@
-"""Qwen2-VL and Qwen2.5-VL: 14-px patches merged 2x2, one visual token per 28x28 px after smart_resize."""
+"""Qwen2-VL and Qwen2.5-VL: 14-px patches merged 2x2, one visual token per 28x28 px after smart_resize.
+
+The layout of an image's tokens is its patch grid `grid_thw` (t, h, w before the 2x2 merge);
+the language model places them with M-RoPE, computed by the model's own `get_rope_index`.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,11 @@ from typing import Any
 
 import torch
 from PIL import Image
-from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ingest.budget import PixelBounds
 from worker.models.base import ModelAdapter
 from worker.models.vision_tower import load_vision_tower
-from worker.visual_tokens import VisualTokens
+from worker.visual_tokens import TokenSpec, VisualTokens
 
 # image == 1, video == 2 in the M-RoPE index (transformers' get_rope_index).
 IMAGE_TOKEN_TYPE = 1
@@ -21,6 +24,8 @@ IMAGE_TOKEN_TYPE = 1
 class Qwen2VLAdapter(ModelAdapter):
     family = "qwen2_vl"
     model_class_name = "Qwen2VLForConditionalGeneration"
+    vllm_unsupported = None
+    column_inputs = ("mm_token_type_ids",)
 
     @cached_property
     def processor(self) -> Any:
@@ -57,6 +62,18 @@ class Qwen2VLAdapter(ModelAdapter):
     def merge_size(self) -> int:
         return int(self.processor.image_processor.merge_size)
 
+    def tokens_for_grid(self, grid: torch.Tensor) -> int:
+        """t*h*w / merge^2 for a grid of whole merges; ValueError for any other grid."""
+        t, h, w = (int(x) for x in grid.view(-1))
+        m = self.merge_size
+        if t < 1 or h < m or w < m or h % m or w % m:
+            raise ValueError(f"not a grid of {m}x{m} merges")
+        return t * h * w // (m * m)
+
+    @property
+    def token_spec(self) -> TokenSpec:
+        return TokenSpec(hidden_size=self.hidden_size, dtype=self.dtype, tokens_for_grid=self.tokens_for_grid)
+
     @property
     def tokenizer(self) -> Any:
         return self.processor.tokenizer
@@ -75,16 +92,8 @@ class Qwen2VLAdapter(ModelAdapter):
         tower alone, so an encode worker beside vLLM holds no second copy of the LM."""
         if not self.vision_only or "model" in self.__dict__:
             return self.model.model.visual
-        import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as qwen25
-        import transformers.models.qwen2_vl.modeling_qwen2_vl as qwen2
-
-        tower_class = (
-            qwen2.Qwen2VisionTransformerPretrainedModel
-            if self.family == "qwen2_vl"
-            else qwen25.Qwen2_5_VisionTransformerPretrainedModel
-        )
         return load_vision_tower(
-            tower_class,
+            self.tower_class(),
             self.config.vision_config,
             self.ref.source,
             self.ref.revision,
@@ -92,12 +101,27 @@ class Qwen2VLAdapter(ModelAdapter):
             self.device,
         )
 
+    def tower_class(self) -> Any:
+        import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as qwen25
+        import transformers.models.qwen2_vl.modeling_qwen2_vl as qwen2
+
+        return (
+            qwen2.Qwen2VisionTransformerPretrainedModel
+            if self.family == "qwen2_vl"
+            else qwen25.Qwen2_5_VisionTransformerPretrainedModel
+        )
+
+    def _tower_inputs(
+        self, images: list[Image.Image], bounds: PixelBounds | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = self.processor.image_processor(
+            images=images, return_tensors="pt", **self._size_kwargs(bounds)
+        )
+        return inputs["pixel_values"].to(self.device, self.dtype), inputs["image_grid_thw"].to(self.device)
+
     @torch.inference_mode()
     def encode(self, images: list[Image.Image], bounds: PixelBounds | None = None) -> list[VisualTokens]:
-        processor = self.processor.image_processor
-        inputs = processor(images=images, return_tensors="pt", **self._size_kwargs(bounds))
-        pixels = inputs["pixel_values"].to(self.device, self.dtype)
-        grid = inputs["image_grid_thw"].to(self.device)
+        pixels, grid = self._tower_inputs(images, bounds)
         merged = self.vision_tower(pixels, grid_thw=grid).pooler_output
         sizes = (grid.prod(-1) // self.merge_size**2).tolist()
         return [
@@ -116,12 +140,13 @@ class Qwen2VLAdapter(ModelAdapter):
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def prompt_ids(self, prompt: str, num_visual_tokens: int) -> list[int]:
+    def template_ids(self, prompt: str, visual: VisualTokens | None) -> list[int]:
         ids = self._template_ids(prompt)
         at = ids.index(self.image_token_id)
         if ids.count(self.image_token_id) != 1:
             raise ValueError("the prompt must not contain image placeholder tokens")
-        return ids[:at] + [self.image_token_id] * num_visual_tokens + ids[at + 1 :]
+        count = 0 if visual is None else visual.num_tokens
+        return ids[:at] + [self.image_token_id] * count + ids[at + 1 :]
 
     def generation_inputs(self, prompts: list[list[int]], visuals: list[VisualTokens]) -> dict[str, Any]:
         pad = self.tokenizer.pad_token_id
@@ -133,30 +158,33 @@ class Qwen2VLAdapter(ModelAdapter):
             input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
             attention[row, width - len(ids) :] = 1
         token_types = (input_ids == self.image_token_id).to(torch.int32) * IMAGE_TOKEN_TYPE
-        embeds = tuple(v.embeds.to(self.device, self.dtype) for v in visuals)
         return {
             "input_ids": input_ids.to(self.device),
             "attention_mask": attention.to(self.device),
             "mm_token_type_ids": token_types.to(self.device),
             "image_grid_thw": torch.cat([v.grid_thw for v in visuals]).to(self.device),
             # transformers puts these at the image-token positions instead of running the tower.
-            "mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=embeds)},
+            "mm_encoder_outputs": self.mm_encoder_outputs(
+                [v.embeds.to(self.dtype) for v in visuals], [dict(v.extras) for v in visuals]
+            ),
         }
 
-    def pruned_generation_inputs(
-        self, prompts: list[list[int]], visuals: list[VisualTokens], keeps: list[float]
-    ) -> tuple[dict[str, Any], list[int]]:
-        from worker.pruning import prune_inputs
+    # --- pruning and merging: M-RoPE positions, rows of the merged grid ----------------------
 
-        inputs, pruned, _ = prune_inputs(
-            self.model,
-            self.generation_inputs(prompts, visuals),
-            visuals,
-            keeps,
-            image_token_id=self.image_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
+    def token_rows(self, visual: VisualTokens) -> list[int]:
+        t, h, w = (int(x) for x in visual.grid_thw.view(-1))
+        m = self.merge_size
+        return [w // m] * (t * (h // m))
+
+    def prompt_positions(self, inputs: dict[str, Any]) -> torch.Tensor:
+        """(3, batch, length) M-RoPE positions, from the model's own get_rope_index."""
+        positions, _ = self.model.model.get_rope_index(
+            input_ids=inputs["input_ids"],
+            mm_token_type_ids=inputs["mm_token_type_ids"],
+            image_grid_thw=inputs["image_grid_thw"],
+            attention_mask=inputs["attention_mask"],
         )
-        return inputs, pruned
+        return positions
 
     def collapse_image_placeholders(self, prompt_ids: list[int], num_visual_tokens: int) -> list[int]:
         """Our prompt with its run of `<|image_pad|>` ids collapsed back to ONE id.

@@ -1,0 +1,192 @@
+"""Idefics3: SmolDocling-256M and granite-docling-258M (docling's VLM pipeline), Idefics3-8B.
+
+How it differs from the Qwen families, and how the interface carries it:
+
+* the token rule splits the image into square tiles plus a global view (``ingest.token_rules.
+  TileRule``): the layout is (tile rows, tile columns), cached as ``grid_thw = [[1, rows, cols]]``
+  ((1, 0, 0): a single tile, no global view, as the processor reports it);
+* the prompt depends on that layout, not only on the token count: every tile is announced with
+  ``<fake_token_around_image><row_i_col_j>`` and the global view with ``<global-img>``, so
+  ``prompt_ids`` takes the visual tokens and builds the text with the processor's own
+  ``replace_image_token``;
+* the tower is SigLIP over each tile, pixel-shuffled by ``scale_factor``^2 and projected
+  (``get_image_features``); its output goes in at the ``<image>`` positions through
+  ``mm_encoder_outputs``, exactly as the pixel path does;
+* positions are plain 1-D (a Llama language model), so pruning and merging keep each token's
+  sequence position; a merge never joins two tiles, nor two rows of a tile (``token_rows``).
+
+vLLM (0.32) is not used for it: its Idefics3 builds each image's prompt replacement from the
+image itself (``get_items("image", ImageProcessorItems)``): fed embeddings it raises "Expected
+type: ImageProcessorItems, but found type: ImageEmbeddingItems" (tried on the tiny model, in
+embeddings-only mode; with the tower loaded, the (tiles, tokens, hidden) tensor counts as one
+image per tile). ``auto`` picks transformers and ``vllm`` is refused with that reason.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+import torch
+from PIL import Image
+
+from ingest.budget import PixelBounds
+from ingest.token_rules import TileRule
+from worker.models.base import ModelAdapter
+from worker.visual_tokens import TokenSpec, VisualTokens
+
+
+class Idefics3Adapter(ModelAdapter):
+    family = "idefics3"
+    model_class_name = "Idefics3ForConditionalGeneration"
+    vllm_unsupported = (
+        "vLLM 0.32's Idefics3 builds each image's prompt (tile rows and columns) from the image "
+        "itself and refuses embedding inputs for it (TypeError: expected ImageProcessorItems)"
+    )
+
+    @cached_property
+    def processor(self) -> Any:
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(self.ref.source, revision=self.ref.revision)
+
+    @cached_property
+    def config(self) -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.ref.source, revision=self.ref.revision)
+
+    @property
+    def tile_rule(self) -> TileRule:
+        rule = self.token_rule
+        assert isinstance(rule, TileRule)
+        return rule
+
+    # --- token rule: ingest.token_rules.TileRule ----------------------------------------------
+
+    def _size_kwargs(self, bounds: PixelBounds | None) -> dict[str, Any]:
+        bounds = self.token_geometry.normalize(bounds)
+        return {} if bounds is None else {"size": {"longest_edge": self.tile_rule.longest_edge_for(bounds)}}
+
+    def preprocessing(self, bounds: PixelBounds | None = None) -> dict[str, Any]:
+        config = self.processor.image_processor.to_dict()
+        config.update(self._size_kwargs(bounds))
+        config["image_seq_len"] = self.tile_rule.image_seq_len
+        return config
+
+    # --- weights -----------------------------------------------------------------------
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.text_config.hidden_size)
+
+    def tokens_for_grid(self, grid: torch.Tensor) -> int:
+        """Tokens of a (1, rows, cols) tile layout; ValueError for a layout the processor cannot make."""
+        t, rows, cols = (int(x) for x in grid.view(-1))
+        if t != 1 or rows < 0 or cols < 0 or (rows == 0) != (cols == 0) or rows * cols == 1:
+            raise ValueError("not a tile layout (1, rows, cols)")
+        return self.tile_rule.tokens_for_tiles(rows, cols)
+
+    @property
+    def token_spec(self) -> TokenSpec:
+        return TokenSpec(hidden_size=self.hidden_size, dtype=self.dtype, tokens_for_grid=self.tokens_for_grid)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
+
+    @cached_property
+    def model(self) -> torch.nn.Module:
+        import transformers
+
+        cls = getattr(transformers, self.model_class_name)
+        model = cls.from_pretrained(self.ref.source, revision=self.ref.revision, dtype=self.dtype)
+        return model.to(self.device).eval()
+
+    @torch.inference_mode()
+    def encode(self, images: list[Image.Image], bounds: PixelBounds | None = None) -> list[VisualTokens]:
+        # One sample per image, so that every image's tiles come back as one feature run. The tower
+        # is the whole model's (no vLLM engine takes this family, so nothing else holds the LM).
+        inputs = self.processor.image_processor(
+            images=[[image] for image in images],
+            return_tensors="pt",
+            return_row_col_info=True,
+            **self._size_kwargs(bounds),
+        )
+        features = self.model.model.get_image_features(
+            inputs["pixel_values"].to(self.device, self.dtype),
+            inputs["pixel_attention_mask"].to(self.device),
+        ).pooler_output
+        # (tiles, tokens per tile, hidden) in transformers 5.19, a list per image in 5.20: either
+        # way the tiles of all images, in order; each image takes its own layout's share.
+        flat = (
+            torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+            if isinstance(features, (list, tuple))
+            else features.reshape(-1, features.shape[-1])
+        )
+        grids = [
+            torch.tensor([[1, rows[0], cols[0]]], dtype=torch.int64)
+            for rows, cols in zip(inputs["rows"], inputs["cols"], strict=True)
+        ]
+        chunks = torch.split(flat, [self.tokens_for_grid(g) for g in grids])
+        return [
+            VisualTokens(embeds=chunk.to("cpu", self.dtype).clone(), grid_thw=grid)
+            for chunk, grid in zip(chunks, grids, strict=True)
+        ]
+
+    @cached_property
+    def image_token_id(self) -> int:
+        return int(self.config.image_token_id)
+
+    def template_ids(self, prompt: str, visual: VisualTokens | None) -> list[int]:
+        processor = self.processor
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if text.count(processor.image_token) != 1:
+            raise ValueError("the prompt must not contain image placeholder tokens")
+        _, rows, cols = (0, 0, 0) if visual is None else (int(x) for x in visual.grid_thw.view(-1))
+        # The processor's own expansion of one image: tile markers, then image_seq_len <image> each.
+        expanded = processor.replace_image_token({"rows": [[rows]], "cols": [[cols]]}, 0)
+        if visual is None:
+            expanded = expanded.replace(processor.image_token, "")
+        ids = self.tokenizer(text.replace(processor.image_token, expanded), add_special_tokens=True)[
+            "input_ids"
+        ]
+        if visual is not None and ids.count(self.image_token_id) != visual.num_tokens:
+            raise ValueError(
+                f"the prompt has {ids.count(self.image_token_id)} image placeholders, "
+                f"the visual tokens are {visual.num_tokens}"
+            )
+        return ids
+
+    def generation_inputs(self, prompts: list[list[int]], visuals: list[VisualTokens]) -> dict[str, Any]:
+        pad = self.tokenizer.pad_token_id
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, ids in enumerate(prompts):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)  # left padding
+            attention[row, width - len(ids) :] = 1
+        return {
+            "input_ids": input_ids.to(self.device),
+            "attention_mask": attention.to(self.device),
+            "mm_encoder_outputs": self.mm_encoder_outputs([v.embeds.to(self.dtype) for v in visuals], []),
+        }
+
+    def mm_encoder_outputs(
+        self, embeds: list[torch.Tensor], extras: list[dict[str, torch.Tensor]]
+    ) -> dict[str, Any]:
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        # One (tokens, hidden) tensor for the batch: Idefics3 scatters it over the <image>
+        # positions in order (transformers before 5.20 takes no per-image tuple here).
+        merged = torch.cat([e.to(self.device, self.dtype) for e in embeds])
+        return {"image": BaseModelOutputWithPooling(pooler_output=merged)}
+
+    def token_rows(self, visual: VisualTokens) -> list[int]:
+        """Each tile's tokens are a square grid in row-major order (pixel shuffle keeps it)."""
+        seq_len = self.tile_rule.image_seq_len
+        side = int(round(seq_len**0.5))
+        if side * side != seq_len:
+            return [seq_len] * (visual.num_tokens // seq_len)  # not square: a tile is one row
+        return [side] * (visual.num_tokens // side)
