@@ -36,6 +36,13 @@ def migrations_folder() -> Path:
     return Path(migrations.__file__).resolve().parent
 
 
+def head_revision() -> str:
+    """The newest migration's revision id: the number its file name starts with (a test checks
+    that the files are numbered one after another and that the newest is Alembic's head)."""
+    files = sorted(p.name for p in (migrations_folder() / "versions").glob("[0-9][0-9][0-9][0-9]_*.py"))
+    return files[-1][:4]
+
+
 def mask_url(url: str | URL) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
@@ -97,6 +104,25 @@ class Database:
     def upgrade(self, revision: str = "head") -> None:
         """Run Alembic migrations up to ``revision`` on this database."""
         self._run_alembic("upgrade", revision)
+
+    def current_revision(self) -> str | None:
+        """The migration the database is at (None: an empty database, or not one of ours)."""
+        try:
+            with self.engine.connect() as connection:
+                return connection.execute(text("SELECT version_num FROM alembic_version")).scalar()
+        except Exception:  # no alembic_version table yet
+            return None
+
+    def ensure_schema(self) -> bool:
+        """Migrate to the newest revision unless the database is already there; True if it migrated.
+
+        One SELECT when nothing is to be done: commands that only read (`status`, `jobs`) do not
+        pay for importing Alembic and walking the migration scripts.
+        """
+        if self.current_revision() == head_revision():
+            return False
+        self.upgrade()
+        return True
 
     def downgrade(self, revision: str) -> None:
         """Run Alembic migrations down to ``revision`` ("base" drops everything)."""

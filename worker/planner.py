@@ -12,7 +12,6 @@ tokens = visual + prompt + max new tokens (what one request holds at its end).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -28,9 +27,11 @@ from ingest.budget import (
     video_cap_bounds,
 )
 from ingest.limits import Limits
+from ingest.prompt_tokens import load_prompt_counter
 from ingest.spec import JobSpec
 from ingest.stage import expand_paths
 from ingest.survey import survey_source
+from ingest.token_rules import load_token_rule, read_json_file
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Qwen2-VL's chat template around a prompt (system turn, user turn, image markers, assistant
@@ -76,48 +77,21 @@ class PlanModel:
     prompt_tokens: Callable[[str], int] | None  # None: no tokenizer, estimated
 
 
-def _config_file(model: str, name: str, revision: str | None) -> Path | None:
-    local = Path(model) / name
-    if Path(model).is_dir():
-        return local if local.is_file() else None
-    try:  # a hub id: config files only (a few KB), never weights
-        from huggingface_hub import hf_hub_download
-
-        return Path(hf_hub_download(model, name, revision=revision))
-    except Exception:
-        return None
-
-
 def load_plan_model(model: str, revision: str | None = None) -> PlanModel:
-    """From the model's adapter when its processor loads (exact prompt tokens), else from its JSON files."""
-    config_path = _config_file(model, "config.json", revision)
-    if config_path is None:
+    """The model as its files describe it: config.json (KV shape), the family's token rule, and its
+    tokenizer and chat template when it has them (exact prompt tokens; else they are estimated).
+    Never torch or transformers: planning costs a fraction of a second."""
+    config = read_json_file(model, "config.json", revision)
+    if config is None:
         raise FileNotFoundError(f"no config.json for model {model!r} (a local folder or a reachable hub id)")
-    kv = kv_shape_from_config(json.loads(config_path.read_text()))
-    try:
-        from worker.models import ModelRef, load_adapter
-
-        adapter = load_adapter(ModelRef(model, revision, device="cpu"))
-        geometry = adapter.token_geometry  # loads the processor, no weights
-    except Exception:  # no processor files: the resize rule from the JSON, below
-        adapter = None
-    if adapter is not None:
-
-        def counter(prompt: str) -> int:
-            return len(adapter.prompt_ids(prompt, None))
-
-        try:
-            counter("x")  # a tokenizer and a chat template: exact prompt tokens
-            exact: Callable[[str], int] | None = counter
-        except Exception:  # an image processor only: prompt tokens are estimated
-            exact = None
-        return PlanModel(model, geometry, kv, adapter.visual_tokens, exact)
-    # The family's own rule from its JSON files (no torch, no transformers); an unsupported
-    # family is a clear error (UnsupportedModel) rather than another family's rule.
-    from ingest.token_rules import load_token_rule
-
+    kv = kv_shape_from_config(config)
+    # The family's own rule; an unsupported family is a clear error (UnsupportedModel).
     rule = load_token_rule(model, revision)
-    return PlanModel(model, rule.token_geometry, kv, rule.visual_tokens, None)
+    try:
+        prompt_tokens = load_prompt_counter(model, revision)
+    except Exception:  # a template this renderer cannot run: estimated, and the plan says so
+        prompt_tokens = None
+    return PlanModel(model, rule.token_geometry, kv, rule.visual_tokens, prompt_tokens)
 
 
 def estimate_prompt_tokens(prompt: str) -> int:

@@ -47,7 +47,7 @@ class Runtime:
     @cached_property
     def db(self) -> Database:
         db = Database(self.settings.sqlalchemy_url())
-        db.upgrade()
+        db.ensure_schema()
         return db
 
     @cached_property

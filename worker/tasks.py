@@ -58,7 +58,7 @@ _INGEST_SLOTS = threading.BoundedSemaphore(SETTINGS.ingest_workers)
 @functools.cache
 def _db() -> Database:
     db = Database(SETTINGS.sqlalchemy_url())
-    db.upgrade()
+    db.ensure_schema()
     return db
 
 

@@ -1,0 +1,79 @@
+"""How many tokens a prompt costs (chat template included), from the model's tokenizer files alone.
+
+`visbatch plan` prices a job before anything runs; it must not load torch and transformers (seconds
+and most of a gigabyte) to count a few dozen tokens. The chat template is rendered with Jinja the
+way transformers renders it (a sandbox, trim_blocks, lstrip_blocks, loop controls, `tojson`,
+`raise_exception`) and the text is tokenized with the `tokenizers` library from tokenizer.json,
+so the count is the one a run records: the prompt's tokens with the image's placeholder left out.
+`tests/test_planner.py` checks it against every supported family's adapter.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from ingest.token_rules import model_file, read_json_file
+
+# Files that may hold a chat template, in the order transformers prefers them.
+_TEMPLATE_FILES = (
+    "chat_template.jinja",
+    "chat_template.json",
+    "processor_config.json",
+    "tokenizer_config.json",
+)
+# What a family's template puts where the image goes (its placeholder tokens are left out).
+_IMAGE_MARKERS = ("<|image_pad|>", "<image>")
+
+
+def _template_text(model: str, revision: str | None) -> str | None:
+    for name in _TEMPLATE_FILES:
+        if name.endswith(".jinja"):
+            path = model_file(model, name, revision)
+            if path is not None:
+                return path.read_text()
+            continue
+        data = read_json_file(model, name, revision)
+        template = (data or {}).get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        if isinstance(template, str):
+            return template
+    return None
+
+
+def _render(template: str, messages: list[dict[str, Any]]) -> str:
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"chat template error: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda value, **kwargs: json.dumps(value, ensure_ascii=False, **kwargs)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True)
+
+
+def load_prompt_counter(model: str, revision: str | None = None) -> Callable[[str], int] | None:
+    """A function: prompt -> its tokens with the template, the image's placeholder not counted.
+
+    None when the model has no tokenizer.json or no chat template (the planner then estimates).
+    """
+    tokenizer_file = model_file(model, "tokenizer.json", revision)
+    template = _template_text(model, revision)
+    if tokenizer_file is None or template is None:
+        return None
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    marker_ids = {tokenizer.token_to_id(m) for m in _IMAGE_MARKERS} - {None}
+
+    def count(prompt: str) -> int:
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        ids = tokenizer.encode(_render(template, messages), add_special_tokens=False).ids
+        return sum(1 for token in ids if token not in marker_ids)
+
+    count("x")  # a template that cannot render fails here, not in the middle of a plan
+    return count

@@ -1,0 +1,125 @@
+"""No torch where no tensor is touched: the CPU side never pays seconds and most of a gigabyte to
+import torch and transformers. Each command runs in its own process, as a user runs it, and the
+modules loaded by the end are checked."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.media import write_pdf
+
+HEAVY = ("torch", "transformers")
+# The command runs as `visbatch` would; however it ends (an exit, an error, a SIGTERM), the
+# modules it loaded are printed last.
+PROBE = f"""
+import signal, sys
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+from worker.cli import app
+try:
+    app()
+except BaseException:
+    pass
+print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))
+"""
+
+
+def _heavy_modules(env: dict[str, str], *args: str, run_for: float | None = None) -> list[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PROBE, *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    if run_for is not None:  # a command that runs until stopped (watch): stop it once it has started
+        time.sleep(run_for)
+        proc.terminate()
+    stdout, stderr = proc.communicate(timeout=180)
+    line = [x for x in stdout.splitlines() if x.startswith("HEAVY ")]
+    assert line, stdout + stderr
+    return eval(line[-1].removeprefix("HEAVY "))  # noqa: S307 - a list literal we printed ourselves
+
+
+@pytest.fixture
+def env(tmp_path, tiny_model_dir) -> dict[str, str]:
+    return {
+        **os.environ,
+        "VISBATCH_HOME": str(tmp_path / "home"),
+        "VISBATCH_MODEL": str(tiny_model_dir),
+        # No broker here: `submit` stores its job, then fails to enqueue (after every import).
+        "VISBATCH_BROKER_URL": "redis://127.0.0.1:1/0",
+    }
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["jobs"],
+        ["status", "0123456789abcdef0123456789abcdef"],
+        ["results", "0123456789abcdef0123456789abcdef"],
+        ["cancel", "0123456789abcdef0123456789abcdef"],
+        ["db", "upgrade"],
+        ["plan", "{pdf}", "-p", "What is the total?"],
+        ["ingest", "{pdf}", "--out", "{out}"],
+        ["submit", "{pdf}", "-p", "hi"],
+        ["watch", "s3://no-such-bucket-here/inbox/", "-p", "hi", "--poll-seconds", "0.1"],
+    ],
+    ids=lambda args: args[0] if args[0] != "db" else "db-upgrade",
+)
+def test_command_imports_neither_torch_nor_transformers(env, tmp_path, args):
+    pdf = write_pdf(tmp_path / "doc.pdf", pages=1)
+    filled = [a.format(pdf=pdf, out=tmp_path / "pages") for a in args]
+    run_for = None
+    if args[0] == "watch":
+        aws = {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"}
+        env = {**env, **aws, "VISBATCH_S3_ENDPOINT_URL": "http://127.0.0.1:1"}
+        run_for = 8.0
+    assert _heavy_modules(env, *filled, run_for=run_for) == []
+
+
+def test_the_splitting_child_imports_no_model_library_nor_sqlalchemy():
+    code = (
+        "import sys, ingest.child; "
+        "print(sorted(m for m in ('torch', 'transformers', 'sqlalchemy') if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_an_ingest_worker_never_loads_torch(tmp_path, tiny_model_dir, postgres_url, redis_url):
+    """A real `visbatch worker --queues ingest` ingests a job; neither it nor its pool processes map
+    libtorch (read from /proc: what the processes really hold, not what Python says)."""
+    import psutil
+
+    from tests.fleet_harness import Fleet
+
+    fleet = Fleet(tmp_path, tiny_model_dir, postgres_url)
+    try:
+        worker = fleet.start_worker("ingest")
+        pdf = write_pdf(tmp_path / "doc.pdf", pages=3)
+        job = fleet.submit(str(pdf), "-p", "hi")
+        deadline = time.monotonic() + 180
+        sql = "SELECT count(*) FROM sources WHERE job_id = :id AND status = 'ingested'"
+        from sqlalchemy import text
+
+        while True:
+            with fleet.db.engine.connect() as conn:
+                if conn.execute(text(sql), {"id": job}).scalar_one() == 1:
+                    break
+            assert time.monotonic() < deadline, fleet.logs()
+            time.sleep(0.2)
+        processes = [psutil.Process(worker.pid), *psutil.Process(worker.pid).children(recursive=True)]
+        for proc in processes:
+            maps = Path(f"/proc/{proc.pid}/maps").read_text()
+            assert "libtorch" not in maps, f"{proc.pid} {proc.cmdline()} maps libtorch"
+    finally:
+        fleet.close()
