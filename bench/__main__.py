@@ -24,6 +24,7 @@ BENCHMARKS = [
     "results_db",  # Q6
     "memory",  # Q7
     "scale",  # Q8
+    "streaming",  # Q9
 ]
 
 ENV = {

@@ -149,6 +149,8 @@ class EmbeddedRun:
         waits: list[Future] = []
         watcher = threading.Thread(target=self._watch_stop, args=(generate,), name="stop", daemon=True)
         watcher.start()
+        # Weights load beside ingest: the first page finds the model ready.
+        threading.Thread(target=self._guard, args=(rt.warm_up,), name="warm-up", daemon=True).start()
         encoder = threading.Thread(
             target=self._guard, args=(self._encode_loop, spec, to_encode, generate, waits), name="encode"
         )

@@ -144,6 +144,17 @@ class Runtime:
             self.adapter, self.tokens, model_name=self.model_name, engine_name=self.engine.name
         )
 
+    def warm_up(self) -> None:
+        """Load what encode and generate need (weights, the engine) now: an embedded run does it
+        beside ingest, so the first page finds the model ready instead of waiting for it."""
+        engine = self.engine
+        _ = self.requests, self.tokens
+        if self.adapter.vision_only:  # another engine generates: the tower alone, and that engine
+            _ = getattr(self.adapter, "vision_tower", None)
+            _ = getattr(engine, "llm", None)
+        else:
+            _ = self.adapter.model
+
     @property
     def generate_window(self) -> int:
         """Requests kept in flight in the engine (VISBATCH_GENERATE_WINDOW; default by engine)."""

@@ -3,7 +3,10 @@
 transformers generates static batches (every row padded to the longest prompt, the batch runs
 until its longest answer ends), so each `step` packs what is queued by token count
 (worker.packing) and runs ONE batch: the one holding the oldest queued request, so nothing
-waits forever behind a stream of better-fitting newcomers. A cancelled request stops at the
+waits forever behind a stream of better-fitting newcomers. After the engine has been idle the
+batches start small and double (1, 2, 4 ... up to max_batch_size), like TCP's slow start: the
+first answers of a job come after one request's worth of compute, not a full batch's, and a busy
+engine runs full batches. A cancelled request stops at the
 next decode step (a per-row stopping criterion), and a batch that fails is halved and retried,
 so one bad request fails alone.
 """
@@ -59,6 +62,7 @@ class TransformersEngine(StepEngine):
         self.max_batch_size = max_batch_size
         self._queue: dict[str, EngineRequest] = {}  # insertion order = arrival order
         self.batches_run = 0
+        self._ramp = 1  # this step's batch size limit: doubles while busy, back to 1 when idle
         self.padding_slots = 0  # input slots that were padding, over every batch run
         self.input_slots = 0
 
@@ -80,6 +84,7 @@ class TransformersEngine(StepEngine):
         requests = [self._queue.pop(request_id) for request_id in batch]
         generations = self._run(batch, requests)
         aborted = self._take_aborts(batch)
+        self._ramp = 1 if not self._queue else min(self.max_batch_size, self._ramp * 2)
         return [(rid, gen) for rid, gen in zip(batch, generations, strict=True) if rid not in aborted]
 
     def _next_batch(self) -> list[str]:
@@ -94,7 +99,7 @@ class TransformersEngine(StepEngine):
             )
             for request_id, request in self._queue.items()
         ]
-        batches = pack_by_tokens(items, token_budget=self.token_budget, max_batch_size=self.max_batch_size)
+        batches = pack_by_tokens(items, token_budget=self.token_budget, max_batch_size=self._ramp)
         chosen = next(b for b in batches if any(item.payload == oldest for item in b.items))
         self.batches_run += 1
         self.padding_slots += chosen.padded_input_tokens - chosen.real_input_tokens
