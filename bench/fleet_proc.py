@@ -51,11 +51,11 @@ class BenchFleet:
 
     def wait(self, db, job_id: str, timeout: float = 900, poll: float = 0.05) -> str:
         """Poll the job row until it is final; fails if a worker died."""
-        from storage import fleet
+        from storage import repository as repo
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            state = fleet.job_state(db, job_id)
+            state = repo.job_state(db, job_id)
             if state is not None and state[0] in FINISHED:
                 return state[0]
             for proc in self.workers:

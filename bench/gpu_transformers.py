@@ -3,8 +3,8 @@
 The model has Qwen2-VL-7B's real shape (LM: hidden 3584, 28 layers, 28 heads, 4 KV heads,
 intermediate 18944, vocabulary 152064; tower: 32 blocks, 1280 wide, MLP ratio 4), random
 weights in bf16, built in GPU memory (nothing is downloaded, nothing large is written to disk).
-The product's own code paths run: `adapter.encode` (processor + tower) and `GenerateStage` with
-`TransformersEngine`, packed by `pack_by_tokens` under the default token budget.
+The product's own code paths run: `adapter.encode` (processor + tower) and the TransformersEngine's
+step loop, which packs its queue by `pack_by_tokens` under the default token budget.
 
     python bench/gpu_transformers.py                # on the GPU machine (H200: a few minutes)
     python bench/gpu_transformers.py --tiny         # smoke test on CPU: tiny model, few pages
@@ -34,15 +34,12 @@ import torch  # noqa: E402
 
 from bench.common import machine  # noqa: E402
 from bench.media import CACHE, report_pdf  # noqa: E402
-from bench.packing import TokenTable  # noqa: E402
 from ingest.pdf import render_pdf_pages  # noqa: E402
-from ingest.spec import JobSpec, Sampling  # noqa: E402
 from ingest.units import RenderedImage  # noqa: E402
+from worker.engines.base import EngineRequest  # noqa: E402
 from worker.engines.transformers_engine import TransformersEngine  # noqa: E402
 from worker.models import ModelRef, load_adapter  # noqa: E402
 from worker.models.tiny import CHAT_TEMPLATE, build_tokenizer, tiny_config  # noqa: E402
-from worker.packing import padding_waste  # noqa: E402
-from worker.request_builder import GenerateStage, RequestRef  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE_7B = {
@@ -221,38 +218,38 @@ def main() -> None:
             "gpu": sampler.phase(t0, t1),
         }
 
-        # Generation from the cached tokens, packed as the pipeline packs it.
-        spec = JobSpec(prompts=PROMPTS, sampling=Sampling(max_new_tokens=new_tokens))
-        table = TokenTable({f"page-{i}": vt for i, vt in enumerate(visuals)})
-        requests = [
-            RequestRef("gpu-bench", i, p, f"page-{i}", vt.num_tokens, True, spec)
-            for i, vt in enumerate(visuals)
-            for p in range(len(PROMPTS))
-        ]
-        stage = GenerateStage(
-            adapter,
-            TransformersEngine(adapter),
-            table,
-            token_budget=args.token_budget,
-            max_batch_size=args.max_batch_size,
-            model_name="random-7b-shape",
+        # Generation from the cached tokens, as the generate stage runs it: every request queued
+        # in the engine, which packs them by tokens into static batches, step after step.
+        engine = TransformersEngine(
+            adapter, token_budget=args.token_budget, max_batch_size=args.max_batch_size
         )
-        batches = stage.plan(requests)
-        stage.run_batch(batches[0])  # warm-up
+        requests = [
+            EngineRequest(
+                prompt_ids=adapter.prompt_ids(prompt, vt), visual=vt, cache_key=f"page-{i}",
+                max_new_tokens=new_tokens,
+            )
+            for i, vt in enumerate(visuals)
+            for prompt in PROMPTS
+        ]  # fmt: skip
+        engine.generate(requests[: args.max_batch_size])  # warm-up
         sync(device)
         t0 = time.perf_counter()
-        rows = [row for batch in batches for _, row in stage.run_batch(batch)]
+        for i, request in enumerate(requests):
+            engine.add(str(i), request)
+        rows = []
+        while engine.unfinished:
+            rows += [generation for _, generation in engine.step()]
         sync(device)
         t1 = time.perf_counter()
-        generated = sum(r.completion_tokens for r in rows)
-        prompt_tokens = sum(b.real_input_tokens for b in batches)
+        generated = sum(len(g.token_ids) for g in rows)
+        prompt_tokens = sum(len(r.prompt_ids) for r in requests)
         report["generate"] = {
             "requests": len(requests),
-            "batches": len(batches),
+            "batches": engine.batches_run - 1,
             "token_budget": args.token_budget,
             "max_batch_size": args.max_batch_size,
-            "padding_waste": round(padding_waste(batches), 4),
-            "errors": sum(r.error is not None for r in rows),
+            "padding_waste": round(engine.padding_slots / max(1, engine.input_slots), 4),
+            "errors": sum(g.error is not None for g in rows),
             "seconds": round(t1 - t0, 2),
             "requests_per_s": round(len(requests) / (t1 - t0), 2),
             "new_tokens_per_s": round(generated / (t1 - t0), 1),

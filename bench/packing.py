@@ -1,13 +1,14 @@
 """Q4. Packing by token count against fixed-size batches in arrival order.
 
-The same requests go through the same GenerateStage and TransformersEngine twice: once as
-`GenerateStage.plan` packs them (`pack_by_tokens`), once in fixed-size batches in the order
-they arrived. The fixed size is the packed plan's mean batch size, so both arms run about the
-same number of batches. Requests mix page and frame sizes (A4 and landscape pages rendered at
-644 px, 640x360 and 320x240 frames) and two prompts, shuffled as they arrive in the fleet from
-many jobs at once. Visual tokens are random embeddings of the exact shape each image gets (the
-tower is not what is measured here). The model is the ~100M-parameter random Qwen2-VL of
-bench/models.py, so compute dominates on a CPU as it does on a GPU.
+The same requests go through the same TransformersEngine twice: once packed as the engine packs
+its queue (`pack_by_tokens` over the requests' token counts), once in fixed-size batches in the
+order they arrived; each batch is one static `generate` call. The fixed size is the packed plan's
+mean batch size, so both arms run about the same number of batches. Requests mix page and frame
+sizes (A4 and landscape pages rendered at 644 px, 640x360 and 320x240 frames) and two prompts,
+shuffled as they arrive in the fleet from many jobs at once. Visual tokens are random embeddings
+of the exact shape each image gets (the tower is not what is measured here). The model is the
+~100M-parameter random Qwen2-VL of bench/models.py, so compute dominates on a CPU as it does on a
+GPU.
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ import torch
 from bench.common import Check, arguments, bars, interleaved, median, paired_ratio, rounded, write_result
 from bench.embedded import quiet
 from bench.models import bench_model, parameter_count
-from ingest.spec import JobSpec, Sampling
+from worker.engines.base import EngineRequest
 from worker.engines.transformers_engine import TransformersEngine
 from worker.models import ModelRef, load_adapter
-from worker.packing import Batch, padding_waste
-from worker.request_builder import GenerateStage, RequestRef
+from worker.packing import Batch, PackItem, pack_by_tokens, padding_waste
 from worker.visual_tokens import VisualTokens
 
 # (name, width, height, share of the images)
@@ -37,20 +37,7 @@ PROMPTS = ["Describe this image.", "List every number you can read, with its lab
 NEW_TOKENS = 16
 
 
-class TokenTable:
-    """Stands in for the token cache (what GenerateStage asks of it): image key -> visual tokens."""
-
-    def __init__(self, tokens: dict[str, VisualTokens]) -> None:
-        self._tokens = tokens
-
-    def get(self, image_key: str, bounds=None) -> VisualTokens:
-        return self._tokens[image_key]
-
-    def cache_key(self, image_key: str, bounds=None) -> str:
-        return image_key
-
-
-def random_tokens(adapter, images: dict[str, tuple[int, int]]) -> TokenTable:
+def random_tokens(adapter, images: dict[str, tuple[int, int]]) -> dict[str, VisualTokens]:
     """Random embeddings of each image's exact token shape (the processor's resize rule)."""
     gen = torch.Generator().manual_seed(0)
     patch = adapter.processor.image_processor.patch_size
@@ -60,29 +47,39 @@ def random_tokens(adapter, images: dict[str, tuple[int, int]]) -> TokenTable:
         grid = torch.tensor([[1, h // patch, w // patch]], dtype=torch.int64)
         n = int(grid.prod()) // adapter.merge_size**2
         tokens[key] = VisualTokens(torch.randn(n, adapter.hidden_size, generator=gen), grid)
-    return TokenTable(tokens)
+    return tokens
 
 
-def make_requests(adapter, images: int) -> tuple[list[RequestRef], dict[str, tuple[int, int]]]:
-    spec = JobSpec(prompts=PROMPTS, sampling=Sampling(max_new_tokens=NEW_TOKENS))
+def make_requests(adapter, images: int) -> list[EngineRequest]:
+    """Requests from many jobs as they arrive: image sizes mixed, two prompts each, shuffled."""
     weights = [s[3] for s in SIZES]
     rng = random.Random(0)
     sizes = {}
-    requests = []
     for i in range(images):
         name, width, height, _ = rng.choices(SIZES, weights)[0]
-        key = f"img-{i}-{name}"
-        sizes[key] = (width, height)
-        tokens = adapter.visual_tokens(width, height)
-        requests += [RequestRef("job", i, p, key, tokens, True, spec) for p in range(len(PROMPTS))]
+        sizes[f"img-{i}-{name}"] = (width, height)
+    tokens = random_tokens(adapter, sizes)
+    requests = [
+        EngineRequest(
+            prompt_ids=adapter.prompt_ids(prompt, visual),
+            visual=visual,
+            cache_key=key,
+            max_new_tokens=NEW_TOKENS,
+        )
+        for key, visual in tokens.items()
+        for prompt in PROMPTS
+    ]
     rng.shuffle(requests)
-    return requests, sizes
+    return requests
 
 
-def fixed_batches(stage: GenerateStage, requests: list[RequestRef], size: int) -> list[Batch]:
-    """Arrival order, `size` at a time (PackItems built exactly as plan() builds them)."""
-    items = [item for r in requests for item in stage.plan([r])[0].items]
-    return [Batch(items[i : i + size]) for i in range(0, len(items), size)]
+def items_of(requests: list[EngineRequest]) -> list[PackItem[EngineRequest]]:
+    """What the engine packs (TransformersEngine._next_batch builds the same items)."""
+    return [
+        PackItem(payload=r, input_tokens=len(r.prompt_ids), max_new_tokens=r.max_new_tokens,
+                 group=r.sampling_key, affinity=r.cache_key)
+        for r in requests
+    ]  # fmt: skip
 
 
 def main() -> None:
@@ -91,30 +88,24 @@ def main() -> None:
     quiet()
     folder = bench_model("lm100m")
     adapter = load_adapter(ModelRef(str(folder), device="cpu"))
-    requests, sizes = make_requests(adapter, images)
-    stage = GenerateStage(
-        adapter,
-        TransformersEngine(adapter),
-        random_tokens(adapter, sizes),
-        token_budget=16384,
-        max_batch_size=16,
-        model_name="bench",
-    )
-    packed = stage.plan(requests)
+    requests = make_requests(adapter, images)
+    engine = TransformersEngine(adapter)
+    items = items_of(requests)
+    packed = pack_by_tokens(items, token_budget=16384, max_batch_size=16)
     size = max(1, round(len(requests) / len(packed)))
-    fixed = fixed_batches(stage, requests, size)
+    fixed = [Batch(items[i : i + size]) for i in range(0, len(items), size)]
     plans = {"packed by tokens": packed, f"fixed {size}, arrival order": fixed}
     new_tokens: dict[str, list[int]] = {name: [] for name in plans}
 
     def arm(name):
         def go(_rep: int) -> None:
-            rows = [row for batch in plans[name] for _, row in stage.run_batch(batch)]
-            assert not any(row.error for row in rows), [row.error for row in rows if row.error]
-            new_tokens[name].append(sum(row.completion_tokens for row in rows))
+            outputs = [g for batch in plans[name] for g in engine.generate([i.payload for i in batch.items])]
+            assert not any(g.error for g in outputs), [g.error for g in outputs if g.error]
+            new_tokens[name].append(sum(len(g.token_ids) for g in outputs))
 
         return go
 
-    stage.run_batch(packed[0])  # warm-up (first-call allocations), untimed
+    engine.generate([i.payload for i in packed[0].items])  # warm-up (first-call allocations), untimed
     seconds = interleaved({name: arm(name) for name in plans}, args.reps)
     names = list(plans)
     speedup = paired_ratio(seconds[names[1]], seconds[names[0]])

@@ -32,7 +32,12 @@ DB_PASSWORD = "fleet-pw-do-not-log"
 
 class Fleet:
     def __init__(
-        self, tmp: Path, model_dir: Path, database_url: str, worker_database_url: str | None = None
+        self,
+        tmp: Path,
+        model_dir: Path,
+        database_url: str,
+        worker_database_url: str | None = None,
+        broker_url: str = REDIS_URL,
     ) -> None:
         """`worker_database_url`: where workers and the CLI connect (e.g. through a fault proxy);
         the test itself always watches through `database_url`."""
@@ -44,13 +49,13 @@ class Fleet:
             "VISBATCH_HOME": str(tmp / "home"),
             "VISBATCH_MODEL": str(model_dir),
             "VISBATCH_DATABASE_URL": worker_url.render_as_string(hide_password=False),
-            "VISBATCH_BROKER_URL": REDIS_URL,
+            "VISBATCH_BROKER_URL": broker_url,
             "VISBATCH_BROKER_PREFIX": self.prefix,
             "VISBATCH_TASK_TIME_LIMIT": "60",
             "VISBATCH_VISIBILITY_TIMEOUT": "75",
             "VISBATCH_UNACKED_RESTORE_INTERVAL": "1",
-            "VISBATCH_GENERATE_FLUSH_INTERVAL": "0.2",
         }
+        self.broker_url = broker_url
         self.db = Database(database_url)
         self.workers: list[subprocess.Popen] = []
 
@@ -138,11 +143,26 @@ class Fleet:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        client = redis.Redis.from_url(REDIS_URL)
-        keys = list(client.scan_iter(match=f"{self.prefix}*"))
-        if keys:
-            client.delete(*keys)
+        if self.broker_url.startswith("amqp"):
+            self._delete_amqp_queues()
+        else:
+            client = redis.Redis.from_url(self.broker_url)
+            keys = list(client.scan_iter(match=f"{self.prefix}*"))
+            if keys:
+                client.delete(*keys)
         self.db.dispose()
+
+    def _delete_amqp_queues(self) -> None:
+        """This fleet's queues (their names carry its prefix) leave RabbitMQ with it."""
+        from kombu import Connection
+
+        with Connection(self.broker_url) as conn:
+            channel = conn.channel()
+            for stage in ("ingest", "encode", "generate"):
+                try:
+                    channel.queue_delete(f"{self.prefix}{stage}")
+                except Exception:  # noqa: S112 - a queue never declared: nothing to delete
+                    channel = conn.channel()
 
     def logs(self, tail: int = 3000) -> str:
         return "\n".join(p.read_text()[-tail:] for p in sorted(self.tmp.glob("worker-*.log")))

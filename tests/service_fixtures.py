@@ -135,3 +135,29 @@ def s3_bucket(s3_client: Any) -> Iterator[str]:
         if keys:
             s3_client.delete_objects(Bucket=bucket, Delete={"Objects": keys})
     s3_client.delete_bucket(Bucket=bucket)
+
+
+DEFAULT_RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
+
+
+@cache
+def _rabbitmq_unreachable_reason() -> str | None:
+    from kombu import Connection
+
+    url = os.environ.get("VISBATCH_TEST_RABBITMQ_URL", DEFAULT_RABBITMQ_URL)
+    try:
+        with Connection(url, connect_timeout=3) as conn:
+            conn.connect()
+    except Exception as exc:  # any error means "not available here"
+        host = url.rsplit("@", 1)[-1]  # never print a password
+        return f"RabbitMQ at {host} is not reachable: {type(exc).__name__}: {exc}".splitlines()[0]
+    return None
+
+
+@pytest.fixture
+def rabbitmq_url() -> str:
+    """A real RabbitMQ broker (skip outside CI when unreachable, fail under CI=true)."""
+    reason = _rabbitmq_unreachable_reason()
+    if reason is not None:
+        _skip_or_fail(reason, "set VISBATCH_TEST_RABBITMQ_URL to run the RabbitMQ tests")
+    return os.environ.get("VISBATCH_TEST_RABBITMQ_URL", DEFAULT_RABBITMQ_URL)
