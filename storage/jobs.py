@@ -275,9 +275,17 @@ def _seconds_between(start: datetime | None, end: datetime | None) -> float | No
 
 
 def _timing(job: Any) -> dict[str, Any]:
-    """Wall time, time to the first result, each stage's busy time and pages (units) per second."""
+    """Wall time, time to the first result, each stage's busy time and pages (units) per second;
+    for a running job, its rate so far and when it should end at that rate."""
     wall = _seconds_between(job.started_at, job.finished_at or utcnow())
+    eta = rate = None
+    if job.status == JobStatus.RUNNING and wall:
+        finished = max(0, job.units_total - job.units_pending)  # pending counts source holds too
+        rate = finished / wall
+        eta = job.units_pending / rate if rate > 0 else None
     return {
+        "rate_units_per_second": rate,
+        "eta_seconds": eta,
         "started_at": iso(job.started_at),
         "first_result_at": iso(job.first_result_at),
         "wall_seconds": wall,
@@ -361,6 +369,13 @@ def start_job(db: Database, spec: Any, sources: Sequence[tuple[str, str | None]]
 def close_finished(db: Database, remaining: Mapping[str, int]) -> dict[str, str]:
     """Close every job whose countdown reached 0; returns {job_id: final status} of those closed."""
     return {job_id: close_job(db, job_id) for job_id, left in sorted(remaining.items()) if left == 0}
+
+
+def job_counts_by_status(db: Database) -> dict[str, int]:
+    """How many jobs are in each state (the metrics' `visbatch_jobs`)."""
+    stmt = select(JOBS.c.status, func.count()).group_by(JOBS.c.status)
+    with db.session(readonly=True) as session:
+        return {status: int(n) for status, n in session.execute(stmt)}
 
 
 def job_state(db: Database, job_id: str) -> tuple[str, dict[str, Any]] | None:

@@ -94,6 +94,7 @@ class Settings(BaseSettings):
     visibility_timeout: int = Field(
         240, ge=1, description="Seconds before Redis hands an unacked task to another worker (> time limit)."
     )
+    metrics_port: int = Field(9808, ge=0, le=65535, description="Port of a worker's Prometheus metrics.")
     ingest_range_units: int = Field(
         128, ge=1, description="Pages of a PDF one fleet ingest task renders before handing the rest on."
     )

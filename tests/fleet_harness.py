@@ -62,10 +62,10 @@ class Fleet:
     def set(self, **values: str) -> None:
         self.env.update({f"VISBATCH_{k.upper()}": v for k, v in values.items()})
 
-    def start_worker(self, queues: str) -> subprocess.Popen:
+    def start_worker(self, queues: str, *extra: str) -> subprocess.Popen:
         log = open(self.tmp / f"worker-{len(self.workers)}-{queues.replace(',', '-')}.log", "w")  # noqa: SIM115
         proc = subprocess.Popen(
-            [VISBATCH, "worker", "--queues", queues, "--loglevel", "INFO"],
+            [VISBATCH, "worker", "--queues", queues, "--loglevel", "INFO", *(extra or ("--no-metrics",))],
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,

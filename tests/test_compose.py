@@ -24,20 +24,30 @@ def test_matches_the_compose_specification():
     jsonschema.validate(_compose(), schema)
 
 
-def test_two_redis_instances_with_the_right_eviction():
+def test_rabbitmq_broker_and_an_evicting_cache_redis():
     services = _compose()["services"]
-    broker = " ".join(services["redis-broker"]["command"])
     cache = " ".join(services["redis-cache"]["command"])
-    assert "noeviction" in broker and "allkeys-lru" in cache
+    assert "allkeys-lru" in cache
     env = services["worker-cpu"]["environment"]
-    assert env["VISBATCH_BROKER_URL"] != env["VISBATCH_CACHE_URL"]
+    assert env["VISBATCH_BROKER_URL"].startswith("amqp://") and "@rabbitmq:" in env["VISBATCH_BROKER_URL"]
+    assert env["VISBATCH_CACHE_URL"].startswith("redis://redis-cache")
+
+
+def test_prometheus_scrapes_every_worker():
+    services = _compose()["services"]
+    config = yaml.safe_load((ROOT / "docker" / "prometheus.yml").read_text())
+    targets = {t for job in config["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
+    workers = {name for name, svc in services.items() if "worker" in " ".join(svc.get("command", []))[:6]}
+    assert workers == {"worker-cpu", "worker-gpu"}
+    assert targets == {f"{name}:9808" for name in workers}
+    assert all("9808" in services[name]["expose"] for name in workers)
 
 
 def test_services_the_issue_asks_for():
     services = _compose()["services"]
     for name in (
         "postgres",
-        "redis-broker",
+        "rabbitmq",
         "redis-cache",
         "minio",
         "createbuckets",
@@ -46,6 +56,7 @@ def test_services_the_issue_asks_for():
         "worker-gpu",
         "watcher",
         "flower",
+        "prometheus",
     ):
         assert name in services, name
     devices = services["worker-gpu"]["deploy"]["resources"]["reservations"]["devices"]

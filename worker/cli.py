@@ -177,7 +177,12 @@ def _stop_on_signals(run: Any) -> Iterator[None]:
             signal.signal(sig, old)
 
 
-def _run_embedded(rt: Any, start: Any) -> None:
+MetricsPort = Annotated[
+    int | None, typer.Option(help="Serve Prometheus metrics of this run on this port (off by default).")
+]
+
+
+def _run_embedded(rt: Any, start: Any, metrics_port: int | None = None) -> None:
     """Run (or resume) a job in this process with progress bars; print its id on stdout before any
     work starts, its summary on stderr at the end; exit with the job's status code."""
     from storage import repository as repo
@@ -192,6 +197,17 @@ def _run_embedded(rt: Any, start: Any) -> None:
 
     with Progress(*columns, console=console) as bars:
         embedded = EmbeddedRun(rt, RichProgress(bars))
+        if metrics_port is not None:
+            from worker import metrics
+
+            metrics.serve(
+                metrics_port,
+                host="127.0.0.1",
+                collectors=[
+                    metrics.job_states(rt.settings.sqlalchemy_url()),
+                    metrics.QueueDepthCollector(embedded.queue_depths),
+                ],
+            )
         with _stop_on_signals(embedded):
             start(embedded, on_job)
     summary = repo.job_summary(rt.db, job["id"])
@@ -242,6 +258,7 @@ def run(
     redundancy_threshold: RedundancyThreshold = 3.0,
     prune_keep: PruneKeep = 1.0,
     merge_keep: MergeKeep = 1.0,
+    metrics_port: MetricsPort = None,
 ) -> None:
     """Run a job in this process (embedded shape); its id is printed first. Exit 0 only if every unit
     succeeded."""
@@ -267,11 +284,11 @@ def run(
     )
     rt = _runtime(model)
     _load_adapter(rt)
-    _run_embedded(rt, lambda embedded, on_job: embedded.run(paths, spec, on_job))
+    _run_embedded(rt, lambda embedded, on_job: embedded.run(paths, spec, on_job), metrics_port)
 
 
 @app.command()
-def resume(job: str) -> None:
+def resume(job: str, metrics_port: MetricsPort = None) -> None:
     """Continue a stopped job (cancelled, interrupted or failed) in place: no page rendered or image
     encoded twice, only the missing answers generated."""
     from storage import repository as repo
@@ -288,7 +305,7 @@ def resume(job: str) -> None:
         _fail(f"job {full_id} succeeded: nothing to resume")
     rt = _runtime(state[1].get("model"))
     _load_adapter(rt)
-    _run_embedded(rt, lambda embedded, on_job: embedded.resume(full_id, on_job))
+    _run_embedded(rt, lambda embedded, on_job: embedded.resume(full_id, on_job), metrics_port)
 
 
 @app.command()
@@ -469,6 +486,11 @@ def worker(
     ] = None,
     name: Annotated[str | None, typer.Option(help="Worker name (default: from the queues and host).")] = None,
     loglevel: Annotated[str, typer.Option()] = "INFO",
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(help="Serve Prometheus metrics on this port (default: $VISBATCH_METRICS_PORT, 9808)."),
+    ] = None,
+    metrics: Annotated[bool, typer.Option("--metrics/--no-metrics", help="Serve Prometheus metrics.")] = True,
 ) -> None:
     """Start a Celery worker: processes for ingest alone; for GPU stages one process (the model loaded
     once) whose task threads feed one engine loop: start one worker per GPU."""
@@ -494,6 +516,8 @@ def worker(
         "--without-gossip",
         "--without-mingle",
     ]
+    if metrics:
+        _serve_worker_metrics(settings, metrics_port, prefork=not {"encode", "generate"} & set(chosen))
     if {"encode", "generate"} & set(chosen):
         # Task threads mostly wait on the process's one engine loop; they are the window of
         # messages (units) in flight, acknowledged as each unit's results are stored.
@@ -510,6 +534,21 @@ def worker(
             "200",
         ]
     celery_app.worker_main(argv)
+
+
+def _serve_worker_metrics(settings: Settings, port: int | None, *, prefork: bool) -> None:
+    if prefork and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        # Tasks run in pool processes: their metrics are summed by the parent's endpoint. Set
+        # before prometheus_client is first imported (it picks its value store on import).
+        import tempfile
+
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="visbatch-metrics-")
+    from worker import metrics
+
+    port = settings.metrics_port if port is None else port
+    metrics.serve(
+        port, collectors=[metrics.job_states(settings.sqlalchemy_url()), metrics.broker_queues(settings)]
+    )
 
 
 @app.command()
@@ -580,6 +619,9 @@ def timing_lines(timing: dict | None) -> list[tuple[str, str]]:
     lines.append(("busy", ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in busy.items())))
     if timing.get("units_per_second"):
         lines.append(("pages+frames per second", f"{timing['units_per_second']:.2f}"))
+    if timing.get("eta_seconds") is not None:
+        lines.append(("rate, time left", f"{timing['rate_units_per_second']:.2f} pages+frames/s, "
+                      f"about {timing['eta_seconds']:.0f} s at that rate"))  # fmt: skip
     return lines
 
 

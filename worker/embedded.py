@@ -99,6 +99,7 @@ class EmbeddedRun:
         self.stop_reason: str | None = None
         self._counts = _Counts()
         self._failure: BaseException | None = None
+        self._depths: dict[str, Callable[[], int]] = {}
 
     # --- entry points ----------------------------------------------------------------------------
 
@@ -146,6 +147,7 @@ class EmbeddedRun:
             on_jobs_stopped=lambda _: self.request_stop("cancelled from another process"),
         )
         to_encode: queue.Queue[list[UnitTask] | None] = queue.Queue(maxsize=max(1, QUEUE_UNITS // 8))
+        self._depths = {"encode": to_encode.qsize, "generate": generate.waiting}
         waits: list[Future] = []
         watcher = threading.Thread(target=self._watch_stop, args=(generate,), name="stop", daemon=True)
         watcher.start()
@@ -176,6 +178,10 @@ class EmbeddedRun:
             self.stop.set()  # releases the watcher
         self.answers = generate.loop.results_stored
         self._finish(job_id, generate)
+
+    def queue_depths(self) -> dict[str, int]:
+        """Items waiting between the stages (chunks of units for encode, submissions for generate)."""
+        return {stage: depth() for stage, depth in self._depths.items()}
 
     def work_done(self) -> dict[str, int]:
         """What this run did (a resumed job shows that nothing was done twice)."""

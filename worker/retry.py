@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from storage.errors import describe, is_transient
+from worker import metrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,6 +48,7 @@ class RetryPolicy:
                 if not is_transient(exc) or attempt >= self.max_retries:
                     raise
                 wait = self.delay(attempt)
+                metrics.RETRIES.labels(type(exc).__name__).inc()
                 log.warning("%s: %s; retrying in %.1f s (%d/%d)", what, describe(exc), wait, attempt + 1,
                             self.max_retries)  # fmt: skip
                 attempt += 1

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -31,7 +32,7 @@ from urllib.parse import urlparse
 
 from celery import Task
 from celery.exceptions import Reject, Retry
-from celery.signals import worker_shutting_down
+from celery.signals import worker_process_shutdown, worker_shutting_down
 
 from ingest.spec import JobSpec
 from ingest.units import UnitSelection
@@ -40,6 +41,7 @@ from storage.db import Database
 from storage.models import FINISHED_JOB_STATUSES, UnitStatus
 from storage.rows import UnitTask
 from storage.settings import Settings
+from worker import metrics
 from worker.celery_app import app
 from worker.retry import RetryPolicy, describe, is_transient
 from worker.runtime import Runtime
@@ -101,6 +103,7 @@ def retrying(fn: Callable[..., str]) -> Callable[..., str]:
             raise
         except Exception as exc:
             if is_transient(exc) and self.request.retries < POLICY.max_retries:
+                metrics.RETRIES.labels(type(exc).__name__).inc()
                 log.warning("%s: %s; retry %d", self.name, describe(exc), self.request.retries + 1)
                 raise self.retry(exc=exc, countdown=POLICY.delay(self.request.retries)) from exc
             raise
@@ -232,6 +235,15 @@ def _close_service(rt: Runtime) -> None:
         service = _SERVICES.pop(id(rt), None)
     if service is not None:
         service.close(timeout=30)  # type: ignore[attr-defined]
+
+
+@worker_process_shutdown.connect
+def _metrics_of_a_gone_process(pid: int | None = None, **_: object) -> None:
+    """A recycled pool process: its live gauges leave the worker's sums (multiprocess metrics)."""
+    if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid or os.getpid())
 
 
 @worker_shutting_down.connect

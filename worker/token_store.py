@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import threading
@@ -13,6 +14,7 @@ from PIL import Image, UnidentifiedImageError
 from ingest.budget import PixelBounds
 from storage.object_store import ObjectNotFound, ObjectStore
 from storage.token_cache import TokenCache
+from worker import metrics
 from worker.models.base import ModelAdapter
 from worker.retry import describe, is_transient
 from worker.visual_tokens import InvalidVisualTokens, VisualTokens
@@ -63,7 +65,9 @@ class VisualTokenStore:
 
     def lookup(self, cache_key: str, bounds: PixelBounds | None = None) -> VisualTokens | None:
         """A validated cache entry, or None. A corrupt entry is dropped so it gets re-encoded."""
+        before = dataclasses.replace(self.cache.stats)
         data = self.cache.get(cache_key)
+        _count_lookup(self.cache, before)
         if data is None:
             return None
         try:
@@ -89,6 +93,7 @@ class VisualTokenStore:
                 tokens = self.adapter.encode(images, bounds)
                 self.stats.tower_calls += 1
                 self.stats.images_encoded += len(images)
+                metrics.TOWER_IMAGES.inc(len(images))
             for key, vt in zip(chunk, tokens, strict=True):
                 self.cache.put(self.cache_key(key, bounds), vt.to_bytes(fingerprint))
             out.extend(tokens)
@@ -158,3 +163,17 @@ class VisualTokenStore:
             if isinstance(exc, (UnidentifiedImageError, OSError)):  # PIL: truncated or not an image
                 return f"image {image_key} cannot be decoded: {describe(exc)}"
             return f"vision tower failed: {describe(exc)}"
+
+
+def _count_lookup(cache: TokenCache, before: object) -> None:
+    """One lookup in the metrics, by tier: a tiered cache says whether its hot (Redis) or cold (S3)
+    tier served it; a single-tier cache is named by its kind (folder, redis, s3)."""
+    after = cache.stats
+    if after.hot_hits > before.hot_hits:  # type: ignore[attr-defined]
+        metrics.CACHE_LOOKUPS.labels("hot", "hit").inc()
+    elif after.cold_hits > before.cold_hits:  # type: ignore[attr-defined]
+        metrics.CACHE_LOOKUPS.labels("cold", "hit").inc()
+    else:
+        tier = type(cache).__name__.removesuffix("TokenCache").lower() or "cache"
+        result = "hit" if after.hits > before.hits else "miss"  # type: ignore[attr-defined]
+        metrics.CACHE_LOOKUPS.labels(tier, result).inc()

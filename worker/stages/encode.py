@@ -15,6 +15,7 @@ from ingest.budget import PixelBounds
 from storage import repository as repo
 from storage.models import UnitStatus
 from storage.rows import UnitTask
+from worker import metrics
 from worker.retry import describe
 from worker.runtime import Runtime
 
@@ -44,9 +45,13 @@ def encode_units(rt: Runtime, units: list[UnitTask]) -> EncodeStep:
         dataclasses.replace(by_id[unit_id], cache_key=key, cache_hit=hit) for unit_id, key, hit in ok
     ]
     step.failed = len(failed)
+    metrics.UNITS.labels("encode", "ok").inc(len(ok))
+    metrics.UNITS.labels("encode", "failed").inc(len(failed))
+    metrics.ERRORS.labels("encode", "unit").inc(len(failed))
     if failed:
         step.closed = repo.close_finished(rt.db, repo.fail_units(rt.db, failed))
     seconds = time.monotonic() - started
+    metrics.STAGE_BUSY.labels("encode").inc(seconds)
     for job_id in {u.job_id for u in units}:
         repo.add_stage_seconds(rt.db, job_id, "encode", seconds)
     return step
@@ -55,5 +60,6 @@ def encode_units(rt: Runtime, units: list[UnitTask]) -> EncodeStep:
 def give_up(rt: Runtime, units: list[UnitTask], exc: BaseException, tries: int) -> dict[str, str]:
     """The last try failed: the units still pending fail with the real cause; returns closed jobs."""
     message = f"encode failed after {tries} tries: {describe(exc)}"
+    metrics.ERRORS.labels("encode", "retries_exhausted").inc(len(units))
     still = repo.units_by_ids(rt.db, [u.unit_id for u in units], UnitStatus.PENDING)
     return repo.close_finished(rt.db, repo.fail_units(rt.db, [(u.unit_id, message) for u in still]))

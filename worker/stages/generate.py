@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from ingest.spec import JobSpec
 from storage import repository as repo
 from storage.rows import ResultRow, UnitTask
+from worker import metrics
 from worker.request_builder import Prepared
 from worker.retry import describe
 from worker.runtime import Runtime
@@ -178,6 +179,8 @@ class GenerateLoop:
                 self._fail_in_flight(f"engine failed: {describe(exc)}")
             elapsed = time.monotonic() - started
             self.busy_seconds += elapsed
+            metrics.ENGINE_BUSY.inc(elapsed)
+            metrics.STAGE_BUSY.labels("generate").inc(elapsed)
             for job_id in jobs:
                 self._busy[job_id] += elapsed
             now = time.monotonic()
@@ -186,9 +189,11 @@ class GenerateLoop:
                 if entry is None:
                     continue  # aborted meanwhile
                 prepared, added = entry
+                metrics.REQUEST_SECONDS.observe(now - added)
                 work = self._work.get(prepared.unit.unit_id)
                 if work is not None:
                     self._answer(work, self.builder.row(prepared, generation, (now - added) * 1000.0))
+        metrics.IN_FLIGHT.set(len(self._requests))
         self._maybe_poll()
         if self._answered and (
             len(self._answered) >= FLUSH_UNITS
@@ -241,6 +246,7 @@ class GenerateLoop:
                         ticket.fail(exc)
             else:
                 self.results_stored += len(rows)
+                _count(rows, len(answered))
                 for work in answered:
                     for ticket in work.tickets:
                         ticket.settle(stored=True)
@@ -297,6 +303,21 @@ class GenerateLoop:
 
     def drop_all(self, error: BaseException | None = None) -> None:
         self.drop_jobs(self.jobs(), error)
+
+
+def _count(rows: list[tuple[str, ResultRow]], units: int) -> None:
+    """Metrics of stored answers: outcome, tokens, errors by kind (an answer the schema refused
+    has text; a request that never ran has none)."""
+    metrics.UNITS.labels("generate", "ok").inc(units)
+    for _, row in rows:
+        metrics.RESULTS.labels("error" if row.error else "ok").inc()
+        metrics.TOKENS.labels("prompt").inc(row.prompt_tokens)
+        metrics.TOKENS.labels("completion").inc(row.completion_tokens)
+        metrics.TOKENS.labels("visual").inc(row.visual_tokens - row.pruned_tokens - row.merged_tokens)
+        if row.error:
+            metrics.ERRORS.labels(
+                "generate", "invalid_output" if row.text is not None else "generation"
+            ).inc()
 
 
 class GenerateService:
@@ -385,6 +406,10 @@ class GenerateService:
         run is being stopped. A transformers batch stops at its next decode step."""
         self._aborted.set()
         self.loop.engine.request_abort(self.loop.request_ids())
+
+    def waiting(self) -> int:
+        """Submissions waiting for room in the engine's window."""
+        return self._inbox.qsize()
 
     @property
     def alive(self) -> bool:

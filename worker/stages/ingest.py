@@ -22,6 +22,7 @@ from ingest.stage import check_source
 from ingest.units import SourceError, UnitSelection
 from storage import repository as repo
 from storage.rows import UnitRow, UnitTask
+from worker import metrics
 from worker.runtime import Runtime
 
 UNIT_CHUNK = 64  # rows per insert: bounds memory on 2,000-page PDFs
@@ -63,6 +64,11 @@ class _Chunks:
         rows, self.rows = self.rows, []
         ids = repo.add_units(self.rt.db, self.job_id, self.source_id, rows)
         self.stored += len(rows)
+        for row in rows:
+            outcome = "failed" if row.error else "skipped" if row.skip_reason else "ok"
+            metrics.UNITS.labels("ingest", outcome).inc()
+            if row.error:
+                metrics.ERRORS.labels("ingest", "unit").inc()
         pending = [
             UnitTask(
                 unit_id=unit_id,
@@ -141,7 +147,9 @@ def ingest_source(
     finally:
         chunks.flush()  # units done before a failure (or a stop) are kept
         step.units_stored = chunks.stored
-        repo.add_stage_seconds(rt.db, job_id, "ingest", time.monotonic() - started)
+        busy = time.monotonic() - started
+        metrics.STAGE_BUSY.labels("ingest").inc(busy)
+        repo.add_stage_seconds(rt.db, job_id, "ingest", busy)
     if stop is not None and stop.is_set():
         step.stopped = True  # a failure caused by the stop (the child killed) is no failure
         return step
@@ -151,6 +159,8 @@ def ingest_source(
             step.next_position = end
     if error is None and step.next_position is not None:
         return step
+    if error is not None:
+        metrics.ERRORS.labels("ingest", "source").inc()
     facts = {"kind": info.kind, "sha256": info.sha256, "size": info.size} if info else {}
     remaining = repo.complete_source(rt.db, source_id, error=error, **facts)
     step.closed = repo.close_finished(rt.db, remaining)

@@ -1,0 +1,131 @@
+"""Prometheus metrics of workers and of the embedded run (`--metrics-port`).
+
+The stages count what they do (worker.stages: units, results, tokens, engine time); the token
+store counts cache lookups by tier; at scrape time two collectors read what is not a count of
+this process's work: the depth of each broker queue (workers) and how many jobs are in each
+state (the database). Names follow Prometheus' conventions: `visbatch_` prefix, `_total` on
+counters, units in the name (`_seconds`).
+
+A prefork ingest worker runs its tasks in child processes: `serve` then uses prometheus_client's
+multiprocess mode (PROMETHEUS_MULTIPROC_DIR, which `visbatch worker` sets before this module is
+imported), so the parent's endpoint sums its children. Threads (GPU workers, the embedded run)
+need nothing of the kind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import REGISTRY, Collector
+
+log = logging.getLogger(__name__)
+
+UNITS = Counter("visbatch_units_total", "Pages and frames through a stage, by outcome.", ["stage", "outcome"])
+RESULTS = Counter("visbatch_results_total", "Answers stored, by outcome (ok or error).", ["outcome"])
+TOKENS = Counter("visbatch_tokens_total", "Tokens, by kind (visual, prompt, completion).", ["kind"])
+CACHE_LOOKUPS = Counter(
+    "visbatch_cache_lookups_total", "Visual-token cache lookups, by tier and result.", ["tier", "result"]
+)
+TOWER_IMAGES = Counter("visbatch_tower_images_total", "Images encoded by the vision tower (cache misses).")
+ERRORS = Counter(
+    "visbatch_errors_total", "Failures recorded on units and answers, by stage and kind.", ["stage", "kind"]
+)
+RETRIES = Counter("visbatch_retries_total", "Transient errors retried, by what was retried.", ["what"])
+STAGE_BUSY = Counter("visbatch_stage_busy_seconds_total", "Seconds each stage spent working.", ["stage"])
+ENGINE_BUSY = Counter(
+    "visbatch_engine_busy_seconds_total",
+    "Seconds the generation engine had requests in flight (its rate is the engine's busy share).",
+)
+IN_FLIGHT = Gauge(
+    "visbatch_requests_in_flight", "Generation requests in the engine now.", multiprocess_mode="livesum"
+)
+REQUEST_SECONDS = Histogram(
+    "visbatch_request_duration_seconds",
+    "Time from a request entering the engine to its answer.",
+    buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300),
+)
+
+
+class QueueDepthCollector(Collector):
+    """`visbatch_queue_depth_messages{queue}`: messages waiting in each stage's broker queue."""
+
+    def __init__(self, depth: Callable[[], dict[str, int]]) -> None:
+        self.depth = depth
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "visbatch_queue_depth_messages", "Messages waiting in each queue.", labels=["queue"]
+        )
+        try:
+            for queue, n in self.depth().items():
+                family.add_metric([queue], n)
+        except Exception as exc:  # a broker away: no sample rather than a failed scrape
+            log.warning("queue depth unavailable: %s", exc)
+        yield family
+
+
+class JobStatesCollector(Collector):
+    """`visbatch_jobs{status}`: jobs in each state, read from the database at scrape time."""
+
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("visbatch_jobs", "Jobs in each state.", labels=["status"])
+        try:
+            for status, n in self.counts().items():
+                family.add_metric([status], n)
+        except Exception as exc:
+            log.debug("job counts unavailable: %s", exc)
+        yield family
+
+
+def serve(port: int, *, host: str = "0.0.0.0", collectors: list[Collector] | None = None) -> Any:  # noqa: S104
+    """Expose /metrics on `port` (0: a free port); returns the server (its `server_port`)."""
+    registry: CollectorRegistry = REGISTRY
+    if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+    for collector in collectors or []:
+        registry.register(collector)
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    log.info("metrics on http://%s:%d/metrics", host, server.server_port)
+    return server
+
+
+def job_states(database_url: str) -> JobStatesCollector:
+    from storage import repository as repo
+    from storage.db import Database
+
+    db = Database(database_url)
+    return JobStatesCollector(lambda: repo.job_counts_by_status(db))
+
+
+def broker_queues(settings: Any) -> QueueDepthCollector:
+    """Depth of each stage's queue, asked of the broker (RabbitMQ or Redis) at scrape time."""
+    from worker.celery_app import QUEUES, app, queue_name
+
+    def depth() -> dict[str, int]:
+        out = {}
+        with app.connection_for_read() as conn:
+            for stage in QUEUES:
+                # A fresh channel per queue: AMQP closes a channel whose passive declare fails.
+                with conn.channel() as channel:
+                    try:
+                        found = channel.queue_declare(queue=queue_name(settings, stage), passive=True)
+                    except Exception as exc:  # no such queue yet (Redis: an empty list does not exist)
+                        if "NOT_FOUND" not in str(exc) and "404" not in str(exc):
+                            raise
+                        out[stage] = 0
+                    else:
+                        out[stage] = int(found.message_count)
+        return out
+
+    return QueueDepthCollector(depth)
