@@ -163,3 +163,57 @@ def test_s3_throttling_and_cache_redis_down(tmp_path, tiny_model_dir, postgres_u
     finally:
         fleet.close()
         proxy.close()
+
+
+def test_s3_outage_during_encode_fails_no_page(tmp_path, tiny_model_dir, postgres_url, s3_server, s3_bucket):
+    """The image store and the cold token cache (S3) cut for 20 s once ingest is done and encoding
+    starts: the encode tasks meet connection errors, which are transient (storage.errors), so they
+    are retried with backoff instead of failing pages; the job succeeds, with every page answered."""
+    port = int(s3_server.rsplit(":", 1)[1])
+    proxy = TCPProxy(port)
+    fleet = Fleet(tmp_path, tiny_model_dir, postgres_url)
+    try:
+        fleet.set(
+            store_url=f"s3://{s3_bucket}/store",
+            cache_cold_url=f"s3://{s3_bucket}/cache",
+            cache_url="redis://127.0.0.1:1/0",  # no hot tier: every lookup goes to S3
+            s3_endpoint_url=f"http://127.0.0.1:{proxy.port}",
+        )
+        fleet.env.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                          "AWS_DEFAULT_REGION": "us-east-1"})  # fmt: skip
+        pdf = write_pdf(tmp_path / "doc.pdf", pages=8)
+        fleet.start_worker("ingest")
+        job = fleet.submit(str(pdf), *PROMPTS, "--max-new-tokens", "8", "--longest-side", "448")
+        ingested = "SELECT count(*) FROM sources WHERE job_id = :id AND status = 'ingested'"
+        _wait_until(lambda: _scalar(fleet, ingested, id=job) == 1, fleet)
+        proxy.cut()
+        fleet.start_worker("encode,generate")
+        time.sleep(20)
+        proxy.restore()
+        fleet.wait([job], timeout=300)
+        failed = _units(fleet, job, "failed")
+        assert failed == 0, fleet.logs()
+        _exactly_once(fleet, job, 8)
+    finally:
+        fleet.close()
+        proxy.close()
+
+
+def test_cancel_stops_a_running_generate_flush(fleet, tmp_path):
+    """`visbatch cancel` while a generate worker is mid-job: its requests in flight are aborted
+    within a poll, nothing more is stored, and the cancel itself needs no model."""
+    pdf = write_pdf(tmp_path / "doc.pdf", pages=16)
+    fleet.set(max_batch_size="4")
+    fleet.start_worker("ingest")
+    fleet.start_worker("encode,generate")
+    job = fleet.submit(str(pdf), "-p", "a?", "-p", "b?", "-p", "c?", "--max-new-tokens", "200",
+                       "--longest-side", "448")  # fmt: skip
+    _wait_until(lambda: fleet.result_count(job) >= 4, fleet)
+    out = fleet.run_cli("cancel", job)
+    assert "cancelled" in out
+    at_cancel = fleet.result_count(job)
+    time.sleep(8)  # several polls and engine steps
+    # What was being stored at that instant may land; nothing generated after it does.
+    assert fleet.result_count(job) <= at_cancel + 4, fleet.logs()
+    assert fleet.status(job) == "cancelled"
+    assert fleet.result_count(job) < 16 * 3
