@@ -25,7 +25,6 @@ from datetime import datetime
 from typing import Any, TypeVar, cast
 
 from sqlalchemy import Row, Table, literal, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from storage.db import Database
@@ -77,7 +76,10 @@ def chunks(items: Sequence[_T], size: int = IN_CHUNK) -> Iterator[Sequence[_T]]:
 
 
 def dialect_insert(db: Database, table: Table) -> Any:
-    """The dialect's own INSERT, which knows ON CONFLICT."""
+    """The dialect's own INSERT, which knows ON CONFLICT (imported here: the PostgreSQL dialect
+    pulls in asyncio and more, which a SQLite `visbatch status` has no use for)."""
+    from sqlalchemy.dialects import postgresql, sqlite
+
     name = db.engine.dialect.name
     if name == "postgresql":
         return postgresql.insert(table)

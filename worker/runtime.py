@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 from ingest.limits import Limits
 from storage.db import Database
 from storage.settings import Settings
-from worker.retry import RetryPolicy
 
 if TYPE_CHECKING:
     from ingest.isolation import IsolatedSplitter
@@ -24,6 +23,7 @@ if TYPE_CHECKING:
     from worker.engines import Engine
     from worker.models import ModelAdapter
     from worker.request_builder import RequestBuilder
+    from worker.retry import RetryPolicy
     from worker.token_store import VisualTokenStore
 
 
@@ -76,6 +76,8 @@ class Runtime:
 
     @cached_property
     def retry(self) -> RetryPolicy:
+        from worker.retry import RetryPolicy
+
         return RetryPolicy(max_retries=self.settings.task_max_retries)
 
     @cached_property
