@@ -25,6 +25,7 @@ BENCHMARKS = [
     "memory",  # Q7
     "scale",  # Q8
     "streaming",  # Q9
+    "cpu_side",  # Q11 (Q10, vllm_window, runs in the vLLM venv: make bench-vllm)
 ]
 
 ENV = {
