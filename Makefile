@@ -7,7 +7,7 @@ MODEL   ?= Qwen/Qwen2-VL-2B-Instruct
 PROMPT  ?= What is on this page or frame? Answer in one sentence.
 TINY    := .visbatch/tiny-model
 
-.PHONY: install install-browser run test test-vllm install-vllm lint format clean examples bench bench-quick install-bench
+.PHONY: install install-browser run test test-vllm install-vllm lint format clean examples bench bench-quick bench-vllm install-bench
 
 install: $(VENV)/.installed
 
