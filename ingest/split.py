@@ -16,13 +16,20 @@ DEFAULT_LIMITS = Limits()
 
 
 def split_source(
-    path: Path, kind: SourceKind, options: IngestOptions, limits: Limits = DEFAULT_LIMITS
+    path: Path,
+    kind: SourceKind,
+    options: IngestOptions,
+    limits: Limits = DEFAULT_LIMITS,
+    shard: tuple[int, int] | None = None,
 ) -> Iterator[RenderedImage | UnitFailure]:
     """Yield the units of ``path`` (of ``kind``, from ``ingest.detect.detect_kind``).
 
     Raises SourceError when the whole source is unreadable; per-unit problems are yielded
-    as UnitFailure so the other pages or frames go on.
+    as UnitFailure so the other pages or frames go on. ``shard=(k, n)`` (PDFs only) yields
+    the k-th of every n pages: ingest.spread runs n processes over one document.
     """
+    if shard is not None and kind != "pdf":
+        raise ValueError("only the pages of a PDF are split over processes")
     path = Path(path)
     if kind == "pdf":
         yield from render_pdf_pages(
@@ -32,6 +39,7 @@ def split_source(
             pages=options.pages,
             max_pages=limits.max_pdf_pages,
             max_render_pixels=limits.max_render_pixels,
+            shard=shard,
         )
     elif kind == "video":
         yield from sample_video_frames(
