@@ -67,7 +67,7 @@ def write_image(image: Image.Image, path: Path) -> int:
 
 
 def _filtered(band: np.ndarray, filter_type: int, channels: int) -> np.ndarray:
-    """The band's rows, each prefixed with its PNG filter byte (None: as is; Sub: minus the pixel to the left)."""
+    """The rows, each after its PNG filter byte (None: as is; Sub: minus the pixel to the left)."""
     rows, row_bytes = band.shape
     out = np.empty((rows, row_bytes + 1), np.uint8)
     out[:, 0] = filter_type

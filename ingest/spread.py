@@ -16,6 +16,7 @@ Videos and images are split in this process (a video's frames come from one deco
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import multiprocessing
 import os
@@ -64,13 +65,20 @@ def _in_processes(
     context = multiprocessing.get_context("fork")
     workers: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
     try:
-        for shard in range(count):
-            reader, writer = context.Pipe(duplex=False)
-            args = (writer, path, options, handle, limits, (shard, count), os.getpid())
-            process = context.Process(target=_render_shard, args=args, daemon=True)
-            process.start()
-            writer.close()  # the child's end only: EOF then means the child is gone
-            workers.append((process, reader))
+        # A child must never finalize what the parent made: garbage from an earlier video (a
+        # PyAV decoder) freed in the child would join decoder threads the child does not have,
+        # and hang. Frozen objects are never collected in the child; the parent unfreezes.
+        gc.freeze()
+        try:
+            for shard in range(count):
+                reader, writer = context.Pipe(duplex=False)
+                args = (writer, path, options, handle, limits, (shard, count), os.getpid())
+                process = context.Process(target=_render_shard, args=args, daemon=True)
+                process.start()
+                writer.close()  # the child's end only: EOF then means the child is gone
+                workers.append((process, reader))
+        finally:
+            gc.unfreeze()
         for position in range(pages):
             process, reader = workers[position % count]
             yield _next_record(process, reader, limits, position)

@@ -4,6 +4,7 @@ crashed or stalled process fails the source cleanly (nothing left running)."""
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import os
 import signal
@@ -159,3 +160,34 @@ def test_the_sandboxed_child_spreads_pages_the_same_way(tmp_path: Path) -> None:
             units = [u for u in splitter.split(pdf, OPTIONS) if isinstance(u, StoredUnit)]
         results[processes] = [json.dumps(u.__dict__, sort_keys=True) for u in units]
     assert len(results[1]) == 6 and results[3] == results[1]
+
+
+def collect_then_describe(unit: RenderedImage | UnitFailure) -> dict:
+    gc.collect()  # what any allocation in the child may trigger
+    return describe(unit)
+
+
+def test_garbage_from_a_decoded_video_is_never_finalized_in_a_rendering_process(tmp_path: Path) -> None:
+    """A PyAV decoder left in a reference cycle, freed in a forked child, joins decoder threads the
+    child does not have and hangs it (seen: `visbatch ingest clip.mp4 doc.pdf`)."""
+    import av
+
+    clip = write_video(tmp_path / "clip.mp4", seconds=2)
+    gc.disable()
+    try:
+        container = av.open(str(clip))
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        next(container.decode(stream))
+        cycle: dict = {"container": container}
+        cycle["self"] = cycle  # unreachable once dropped, yet only the collector frees it
+        del cycle, container, stream
+        records = list(
+            spread_units(
+                write_pdf(tmp_path / "doc.pdf", pages=4), "pdf", OPTIONS, collect_then_describe,
+                limits=Limits(unit_timeout_s=20), processes=2,
+            )
+        )  # fmt: skip
+    finally:
+        gc.enable()
+    assert [r["index"] for r in records] == [0, 1, 2, 3]
