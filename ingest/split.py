@@ -48,6 +48,7 @@ def split_source(
             max_frames=options.max_frames,
             num_frames=options.num_frames,
             max_seconds=limits.max_video_seconds,
+            keyframes=options.keyframes,
         )
     elif kind == "image":
         yield load_image(path, max_pixels=limits.max_image_pixels)
