@@ -24,12 +24,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from ingest.detect import detect_kind
 from ingest.image_file import IMAGE_SUFFIX, write_image
 from ingest.limits import Limits
 from ingest.spec import IngestOptions
 from ingest.split import DEFAULT_LIMITS
 from ingest.spread import spread_units
-from ingest.stage import expand_paths, inspect_source
+from ingest.stage import check_source, expand_paths
 from ingest.units import RenderedImage, SourceError, SourceKind, UnitFailure
 
 MANIFEST = "manifest.jsonl"
@@ -129,7 +130,8 @@ def _export_one(
 ) -> Iterator[dict[str, Any]]:
     source = str(path)
     try:
-        kind = inspect_source(path, limits).kind
+        check_source(path, limits)
+        kind = detect_kind(path)  # by content; no hash (a job's ingest needs one, an export not)
         write = partial(_write_unit, root, folder_name(path), source, kind, count_tokens)
         yield from spread_units(path, kind, options, write, limits=limits, processes=processes)
     except SourceError as exc:

@@ -7,9 +7,9 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import pymupdf
 from PIL import Image
 
+from ingest.mupdf import pymupdf
 from ingest.units import RenderedImage, SourceError, UnitFailure
 
 DEFAULT_LONGEST_SIDE = 1288

@@ -12,9 +12,8 @@ from pathlib import Path
 
 from PIL import Image
 
-from ingest.detect import detect_kind
 from ingest.image_file import IMAGE_SUFFIX, encode_image
-from ingest.isolation import SourceInfo, StoredUnit
+from ingest.isolation import StoredUnit
 from ingest.limits import Limits
 from ingest.units import SourceError, UnitFailure
 from storage.object_store import ObjectStore
@@ -69,14 +68,6 @@ def check_source(path: Path, limits: Limits = DEFAULT_LIMITS) -> None:
             f"file is {size / 1e6:,.1f} MB, over the limit of {limits.max_source_bytes / 1e6:,.1f} MB "
             "(VISBATCH_LIMIT_MAX_SOURCE_BYTES)"
         )
-
-
-def inspect_source(path: Path, limits: Limits = DEFAULT_LIMITS) -> SourceInfo:
-    """Kind by content, hash and size, in this process (for `visbatch ingest` and the planner)."""
-    check_source(path, limits)
-    kind = detect_kind(path)
-    sha, size = file_sha256(path)
-    return SourceInfo(kind=kind, sha256=sha, size=size)
 
 
 def unit_rows(
