@@ -24,6 +24,8 @@ BENCHMARKS = [
     "results_db",  # Q6
     "memory",  # Q7
     "scale",  # Q8
+    "ingest_memory",  # Q7b
+    "image_encoding",  # Q1b
 ]
 
 ENV = {

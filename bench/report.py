@@ -12,7 +12,10 @@ from pathlib import Path
 
 from bench.common import results_dir
 
-ORDER = ["pdf_pages", "video_frames", "token_cache", "packing", "fleet", "results_db", "memory", "scale"]
+ORDER = [
+    "pdf_pages", "video_frames", "token_cache", "packing", "fleet", "results_db", "memory", "scale",
+    "ingest_memory", "image_encoding",
+]  # fmt: skip
 VERDICT = {True: "met", False: "**not met**", None: "skipped"}
 
 
