@@ -6,7 +6,7 @@ by trying them all, which costs more than rendering the page (~25 ms for a 1288-
 ms for a 720p photo-like frame, at any compress level). Here each band of rows is filtered
 with "None" or "Sub", whichever deflates smaller on a sample of its rows, and deflated by ISA-L
 at level 1 (``isal``): 5-10x faster, about 15% larger than Pillow at level 1 on pages and as
-small on photos (bench/png_study.py measures it). The file is a plain 8-bit PNG that every
+small on photos (bench/image_encoding.py measures it). The file is a plain 8-bit PNG that every
 viewer, PIL and the model's processor read; the pixels are exactly the image's (the cache key
 is the hash of the pixels, see ingest.stage.image_hash).
 """
