@@ -169,6 +169,10 @@ def main() -> None:
             "a 1-page PDF, whole process: "
             + ", ".join(f"{a} {median(s):.2f} s" for a, s in start_seconds.items())
         )
+    if args.quick:
+        notes.append(
+            "quick mode: inputs too small for the targets (process start dominates); they are for full mode"
+        )
     labels = list(rate)
     write_result(
         "pdf_pages",

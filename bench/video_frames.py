@@ -185,6 +185,10 @@ def main() -> None:
         figures["frames32"] = entry
         chart.update({f"32 frames: {k}": median(v) for k, v in times.items()})
 
+    if quick:
+        notes.append(
+            "quick mode: inputs too small for the targets (process start dominates); they are for full mode"
+        )
     write_result(
         "video_frames",
         quick=quick,
