@@ -24,8 +24,10 @@ BENCHMARKS = [
     "results_db",  # Q6
     "memory",  # Q7
     "scale",  # Q8
-    "streaming",  # Q9
-    "cpu_side",  # Q11 (Q10, vllm_window, runs in the vLLM venv: make bench-vllm)
+    "ingest_memory",  # Q9
+    "image_encoding",  # Q10
+    "streaming",  # Q11
+    "cpu_side",  # Q13 (Q12, vllm_window, runs in the vLLM venv: make bench-vllm)
 ]
 
 ENV = {

@@ -1,4 +1,4 @@
-"""Q11. The CPU side is light: how long `visbatch status` takes as a process, and how much memory
+"""Q13. The CPU side is light: how long `visbatch status` takes as a process, and how much memory
 an ingest worker holds while it ingests.
 
   status      `visbatch status JOB` on a finished job (SQLite), a whole process, start-up included,
@@ -159,7 +159,7 @@ def main() -> None:
             ["python -c pass", "visbatch status", "visbatch jobs"],
             [figures["python_start_s"], figures["status_s"], figures["jobs_s"]],
             "seconds",
-            "Q11 CPU side: commands as processes",
+            "Q13 CPU side: commands as processes",
         ),
     )
 

@@ -1,7 +1,8 @@
 """Benchmark inputs, generated from code and cached under bench/.cache (never committed).
 
 A report-like PDF (text, a table, a vector chart: what invoices and papers are made of, so the
-renderers do real work) and H.264 videos with a keyframe every 2 s (a common encoder setting).
+renderers do real work) and H.264 videos with a keyframe every 2 s (a common encoder setting)
+or sparser (phone and screen recordings: 8 s and more).
 Every page and frame differs from the others, so no image is deduplicated by content.
 """
 
@@ -82,7 +83,8 @@ def _report_page(page: pymupdf.Page, n: int, rng: random.Random, variant: str) -
 def video(seconds: int, size: tuple[int, int] = (640, 360), fps: int = 25, gop_seconds: float = 2.0) -> Path:
     """An H.264 (libx264) video; keyframe every `gop_seconds`; moving shapes so P-frames carry data."""
     width, height = size
-    path = cache_dir("video") / f"clip-{seconds}s-{width}x{height}.mp4"
+    extra = (f"-{fps}fps" if fps != 25 else "") + (f"-gop{gop_seconds:g}s" if gop_seconds != 2.0 else "")
+    path = cache_dir("video") / f"clip-{seconds}s-{width}x{height}{extra}.mp4"
     if path.exists():
         return path
     tmp = path.with_name(path.stem + ".tmp.mp4")

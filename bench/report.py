@@ -21,6 +21,8 @@ ORDER = [
     "results_db",
     "memory",
     "scale",
+    "ingest_memory",
+    "image_encoding",
     "streaming",
     "vllm_window",
     "cpu_side",

@@ -1,4 +1,4 @@
-"""Q9. Streaming: does a page reach its answer while later pages still render, and does the job
+"""Q11. Streaming: does a page reach its answer while later pages still render, and does the job
 take as long as its slowest stage rather than the sum of its stages?
 
 Two arms, each a whole process on the same inputs (three report PDFs, 54 pages at 1288 px, one
@@ -116,7 +116,7 @@ def main() -> None:
             ["first result\n(share of wall)", "wall / busiest\nstage"],
             [stream["first_result_share"], stream["wall_over_busiest_stage"]],
             "ratio",
-            f"Q9 streaming (sequential: {figures['sequential']['first_result_share']}, "
+            f"Q11 streaming (sequential: {figures['sequential']['first_result_share']}, "
             f"{figures['sequential']['wall_over_busiest_stage']})",
         ),
         notes=[f"{len(paths)} PDFs, {stream['units']} pages; flags {' '.join(FLAGS)}; model {model.name}"],

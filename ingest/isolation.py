@@ -47,11 +47,17 @@ class IsolatedSplitter:
     """Drives one child process; not thread-safe (use one per thread)."""
 
     def __init__(
-        self, store_url: str, *, endpoint_url: str | None = None, limits: Limits | None = None
+        self,
+        store_url: str,
+        *,
+        endpoint_url: str | None = None,
+        limits: Limits | None = None,
+        processes: int = 1,
     ) -> None:
         self.store_url = store_url
         self.endpoint_url = endpoint_url
         self.limits = limits or Limits()
+        self.processes = processes  # the pages of one PDF are rendered by this many processes
         self._proc: subprocess.Popen | None = None
         self._buffer = b""
 
@@ -83,6 +89,7 @@ class IsolatedSplitter:
             "limits": asdict(self.limits),
             "store_url": self.store_url,
             "endpoint_url": self.endpoint_url,
+            "processes": self.processes,
             "selection": (selection or UnitSelection()).as_json(),
         }
         assert proc.stdin is not None and proc.stdout is not None
@@ -136,7 +143,7 @@ class IsolatedSplitter:
 
     def close(self) -> None:
         if self._proc is not None:
-            self._proc.kill()
+            self._proc.kill()  # the processes it forked to render pages die with it (ingest.spread)
             self._proc.wait()
             for stream in (self._proc.stdin, self._proc.stdout):
                 if stream is not None:

@@ -7,9 +7,9 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import pymupdf
 from PIL import Image
 
+from ingest.mupdf import pymupdf
 from ingest.units import RenderedImage, SourceError, UnitFailure, UnitSelection
 
 DEFAULT_LONGEST_SIDE = 1288
@@ -55,21 +55,15 @@ def parse_page_ranges(spec: str, page_count: int) -> list[int]:
     return sorted(chosen)
 
 
-def selected_pages(doc: pymupdf.Document, pages: str | None, max_pages: int | None) -> list[int]:
-    """0-based indexes of the pages a job asks for (``--pages``, else all), within the page limit."""
-    indices = parse_page_ranges(pages, doc.page_count) if pages is not None else list(range(doc.page_count))
-    if max_pages is not None and len(indices) > max_pages:
-        raise SourceError(
-            f"{len(indices)} pages selected, over the limit of {max_pages} "
-            "(choose a range with --pages, or raise VISBATCH_LIMIT_MAX_PDF_PAGES)"
-        )
-    return indices
+def pdf_page_indices(path: Path, *, pages: str | None = None, max_pages: int | None = None) -> list[int]:
+    """The 0-based pages that ``render_pdf_pages`` renders with these options, in order.
 
-
-def count_selected_pages(path: Path, pages: str | None, max_pages: int | None) -> int:
+    Raises SourceError as it would (unreadable, encrypted, no pages, bad range, over the limit):
+    whoever spreads the pages over processes checks the document once, before starting any.
+    """
     doc = _open_pdf(Path(path))
     try:
-        return len(selected_pages(doc, pages, max_pages))
+        return _selected_pages(doc, pages, max_pages)
     finally:
         doc.close()
 
@@ -83,23 +77,38 @@ def render_pdf_pages(
     max_pages: int | None = None,
     max_render_pixels: int = MAX_RENDER_PIXELS,
     selection: UnitSelection | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> Iterator[RenderedImage | UnitFailure]:
     """Yield each selected page as RGB, its longest side ``longest_side`` px (or at ``dpi``).
 
     ``dpi`` wins when both are given. Page rotation (/Rotate) is applied. A page that fails
     yields a UnitFailure and the next page goes on; a document that cannot be opened at all
-    raises SourceError (on the first ``next()``, as this is a generator). ``selection`` narrows
-    the selected pages to a range (and leaves out pages already stored).
+    raises SourceError (on the first ``next()``, as this is a generator). ``selection``
+    narrows the pages to a range (and leaves out pages already stored); ``shard=(k, n)`` then
+    renders only the k-th of every n of them (the k-th of n processes, ingest.spread).
     """
     doc = _open_pdf(Path(path))
     try:
-        indices = selected_pages(doc, pages, max_pages)
+        indices = _selected_pages(doc, pages, max_pages)
         if selection is not None:
             indices = selection.pick(indices)
+        if shard is not None:
+            first, step = shard
+            indices = indices[first::step]
         for index in indices:
             yield _render_page(doc, index, longest_side=longest_side, dpi=dpi, max_pixels=max_render_pixels)
     finally:
         doc.close()
+
+
+def _selected_pages(doc: pymupdf.Document, pages: str | None, max_pages: int | None) -> list[int]:
+    indices = parse_page_ranges(pages, doc.page_count) if pages is not None else list(range(doc.page_count))
+    if max_pages is not None and len(indices) > max_pages:
+        raise SourceError(
+            f"{len(indices)} pages selected, over the limit of {max_pages} "
+            "(choose a range with --pages, or raise VISBATCH_LIMIT_MAX_PDF_PAGES)"
+        )
+    return indices
 
 
 def _open_pdf(path: Path) -> pymupdf.Document:

@@ -48,6 +48,9 @@ class IngestOptions(BaseModel):
     fps: float | None = Field(1.0, gt=0, le=60, description="Video: frames sampled per second.")
     max_frames: int = Field(64, ge=1, le=10_000, description="Video: cap on sampled frames.")
     num_frames: int | None = Field(None, ge=1, le=10_000, description="Video: N frames spread uniformly.")
+    keyframes: bool = Field(
+        False, description="Video: sparse samples snap to the nearest keyframe (timestamps as decoded)."
+    )
 
     @model_validator(mode="after")
     def _one_video_mode(self) -> IngestOptions:

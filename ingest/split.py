@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ingest.images import load_image
 from ingest.limits import Limits
-from ingest.pdf import count_selected_pages, render_pdf_pages
+from ingest.pdf import pdf_page_indices, render_pdf_pages
 from ingest.spec import IngestOptions
 from ingest.units import RenderedImage, SourceError, SourceKind, UnitFailure, UnitSelection
 from ingest.video import sample_video_frames
@@ -21,13 +21,17 @@ def split_source(
     options: IngestOptions,
     limits: Limits = DEFAULT_LIMITS,
     selection: UnitSelection | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> Iterator[RenderedImage | UnitFailure]:
-    """Yield the units of ``path`` (of ``kind``, from ``ingest.detect.detect_kind``); for a PDF,
-    only the pages ``selection`` picks.
+    """Yield the units of ``path`` (of ``kind``, from ``ingest.detect.detect_kind``).
 
     Raises SourceError when the whole source is unreadable; per-unit problems are yielded
-    as UnitFailure so the other pages or frames go on.
+    as UnitFailure so the other pages or frames go on. For a PDF, ``selection`` picks a range of
+    its pages (videos are split whole) and ``shard=(k, n)`` yields the k-th of every n of them:
+    ingest.spread runs n processes over one document.
     """
+    if shard is not None and kind != "pdf":
+        raise ValueError("only the pages of a PDF are split over processes")
     path = Path(path)
     if kind == "pdf":
         yield from render_pdf_pages(
@@ -38,6 +42,7 @@ def split_source(
             max_pages=limits.max_pdf_pages,
             max_render_pixels=limits.max_render_pixels,
             selection=selection,
+            shard=shard,
         )
     elif kind == "video":
         yield from sample_video_frames(
@@ -46,6 +51,7 @@ def split_source(
             max_frames=options.max_frames,
             num_frames=options.num_frames,
             max_seconds=limits.max_video_seconds,
+            keyframes=options.keyframes,
         )
     elif kind == "image":
         yield load_image(path, max_pixels=limits.max_image_pixels)
@@ -59,5 +65,5 @@ def planned_units(
     """How many units a source has before any selection: a PDF's selected pages; None for the rest
     (a video is split whole, an image is one unit)."""
     if kind == "pdf":
-        return count_selected_pages(path, options.pages, limits.max_pdf_pages)
+        return len(pdf_page_indices(path, pages=options.pages, max_pages=limits.max_pdf_pages))
     return None

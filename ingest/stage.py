@@ -7,14 +7,13 @@ generation batches can be packed before any GPU work and ingest needs no model w
 from __future__ import annotations
 
 import hashlib
-import io
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from PIL import Image
 
-from ingest.detect import detect_kind
-from ingest.isolation import SourceInfo, StoredUnit
+from ingest.image_file import IMAGE_SUFFIX, encode_image
+from ingest.isolation import StoredUnit
 from ingest.limits import Limits
 from ingest.units import SourceError, UnitFailure
 from storage.object_store import ObjectStore
@@ -22,9 +21,6 @@ from storage.rows import UnitRow
 
 TokenCounter = Callable[[int, int], int]  # (width, height) -> visual tokens
 
-# Fast PNG: level 1 is ~5x faster to write than the default and only ~15% larger;
-# ingest is CPU-bound and must not starve the GPU stages.
-PNG_COMPRESS_LEVEL = 1
 DEFAULT_LIMITS = Limits()
 
 
@@ -45,15 +41,18 @@ def image_hash(image: Image.Image) -> str:
 
 
 def image_key(digest: str) -> str:
-    return f"images/{digest[:2]}/{digest}.png"
+    """The one place that names a stored image: images/<h[:2]>/<h><suffix>, h the pixel hash.
+
+    worker.token_store.image_hash_of reads h back as the key's stem.
+    """
+    return f"images/{digest[:2]}/{digest}{IMAGE_SUFFIX}"
 
 
 def store_image(store: ObjectStore, image: Image.Image) -> str:
+    """Store the image under its pixel hash (once: an equal page or frame is already there)."""
     key = image_key(image_hash(image))
     if not store.exists(key):
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
-        store.put_bytes(key, buffer.getvalue())
+        store.put_bytes(key, encode_image(image))
     return key
 
 
@@ -69,14 +68,6 @@ def check_source(path: Path, limits: Limits = DEFAULT_LIMITS) -> None:
             f"file is {size / 1e6:,.1f} MB, over the limit of {limits.max_source_bytes / 1e6:,.1f} MB "
             "(VISBATCH_LIMIT_MAX_SOURCE_BYTES)"
         )
-
-
-def inspect_source(path: Path, limits: Limits = DEFAULT_LIMITS) -> SourceInfo:
-    """Kind by content, hash and size, in this process (for `visbatch ingest` and the planner)."""
-    check_source(path, limits)
-    kind = detect_kind(path)
-    sha, size = file_sha256(path)
-    return SourceInfo(kind=kind, sha256=sha, size=size)
 
 
 def unit_rows(

@@ -15,13 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pymupdf
 from PIL import Image
 
 from ingest import pdf as pdf_mod
 from ingest import video as video_mod
 from ingest.detect import detect_kind
 from ingest.limits import Limits
+from ingest.mupdf import pymupdf
 from ingest.spec import IngestOptions
 from ingest.units import SourceError
 

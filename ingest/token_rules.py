@@ -277,23 +277,31 @@ def model_file(model: str, name: str, revision: str | None = None) -> Path | Non
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
+    # LocalEntryNotFoundError (not cached, or the hub unreachable) subclasses EntryNotFoundError
+    # (the file does not exist) in huggingface_hub 1.x: it must be caught first.
     try:  # the cache first: no network round trip for a model used before
         return Path(hf_hub_download(model, name, revision=revision, local_files_only=True))
-    except EntryNotFoundError:
-        return None
     except LocalEntryNotFoundError:
         pass
+    except EntryNotFoundError:
+        return None
     except Exception:  # noqa: S110 - a corrupt cache entry: ask the hub below
         pass
     try:
         return Path(hf_hub_download(model, name, revision=revision, etag_timeout=5))
+    except LocalEntryNotFoundError as exc:
+        raise _unreachable(model, name, exc) from exc
     except EntryNotFoundError:
         return None
     except Exception as exc:
-        raise ModelFilesUnavailable(
-            f"cannot read {name} of model {model!r} ({type(exc).__name__}); "
-            "is the model hub reachable? Give a local model folder with --model (or VISBATCH_MODEL)"
-        ) from exc
+        raise _unreachable(model, name, exc) from exc
+
+
+def _unreachable(model: str, name: str, exc: Exception) -> ModelFilesUnavailable:
+    return ModelFilesUnavailable(
+        f"cannot read {name} of model {model!r} ({type(exc).__name__}); "
+        "is the model hub reachable? Give a local model folder with --model (or VISBATCH_MODEL)"
+    )
 
 
 def read_json_file(model: str, name: str, revision: str | None = None) -> dict[str, Any] | None:

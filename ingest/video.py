@@ -11,14 +11,27 @@ For each time we take the decoded frame nearest to it; when two times land on th
 frame (a short video, a slide show), that frame is produced once. Ordinals in ``index``
 count the units produced, failures included.
 
-Sparse times are reached by seeking to the keyframe before them and decoding forward;
-dense times by decoding straight through, which is cheaper than a seek per GOP.
+How, per video, from the sampling density and the keyframe spacing (read from the container's
+index, or from the first packets): a time further than one keyframe interval (and at least
+``SEEK_GAP_SECONDS``) past the last decoded frame is reached by seeking to the keyframe before
+it and decoding forward; closer times by decoding straight through, which is cheaper than a
+seek per GOP (a 720p video with a keyframe every 8 s, sampled at 1 fps, decodes through).
+Either way, a frame that no sample can pick (another frame lies between it and the next
+time) is not decoded when nothing references it (FFmpeg's ``skip_frame=NONREF``: about half
+the frames of an x264 video with B-frames), so the frames produced are exactly those of a
+full decode.
+
+With ``keyframes=True`` sparse samples (further apart than the keyframe spacing) snap to the
+nearest keyframe, when one lies within half the distance to the neighbouring samples: a seek
+and one keyframe decoded per sample, whatever the video's length. The timestamp recorded is
+the decoded keyframe's, never the time asked for.
 """
 
 from __future__ import annotations
 
 import math
 import struct
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -31,10 +44,18 @@ from ingest.detect import describe_av_error, is_cover_art, is_still_image_format
 from ingest.units import RenderedImage, SourceError, UnitFailure
 
 DEFAULT_FPS = 1.0
-# Seek when the next time is further than this past the last decoded frame. Typical GOPs
-# are 0.5-2 s (250 frames at most for x264 defaults), so decoding through a gap this size
-# costs about what a seek (which restarts at a keyframe) costs.
+# Seek only when the next time is further than this (and than the keyframe spacing) past the
+# last decoded frame: below it decoding through costs about what a seek (which restarts the
+# decoder at a keyframe) costs.
 SEEK_GAP_SECONDS = 2.0
+# Keyframe spacing: measured at this many places of the container's index, or, without an
+# index, over at most this many packets from the start (demuxed, not decoded).
+INDEX_PROBES = 16
+PROBE_PACKETS = 3000
+PROBE_KEYFRAMES = 6
+# How many recent packet timestamps decide whether a frame can be left undecoded (more than
+# any decoder's reordering delay).
+RECENT_PACKETS = 32
 # A frame further than this before a target means the data ran out (a truncated file).
 MIN_END_TOLERANCE_SECONDS = 0.5
 # Seeks that land where decoding already was before seeking is given up (no index).
@@ -66,6 +87,7 @@ def sample_video_frames(
     max_frames: int = 64,
     num_frames: int | None = None,
     max_seconds: float | None = None,
+    keyframes: bool = False,
 ) -> Iterator[RenderedImage | UnitFailure]:
     """Yield frames sampled from the video at ``path`` (see the module docstring for which).
 
@@ -89,7 +111,10 @@ def sample_video_frames(
         if cursor.nearest(0.0) is None:
             raise SourceError("video has no decodable frames")
         targets = plan_targets(duration, fps=fps, max_frames=max_frames, num_frames=num_frames)
-        yield from _sample(cursor, targets, stream)
+        interval = keyframe_interval(container, stream, path, duration)
+        cursor.seek_gap = max(SEEK_GAP_SECONDS, interval)
+        snap = keyframes and len(targets) > 1 and _typical_gap(targets) >= interval
+        yield from _sample(cursor, targets, stream, snap=snap)
     finally:
         container.close()
 
@@ -172,6 +197,81 @@ def _frame_interval(stream: av.VideoStream) -> float:
     return float(1 / rate) if rate else 1 / 30
 
 
+def keyframe_interval(
+    container: av.container.InputContainer, stream: av.VideoStream, path: Path, duration: float
+) -> float:
+    """Typical seconds from one keyframe to the next: what a seek costs in frames to decode.
+
+    From the container's index where it has one (MP4, MOV, AVI; Matroska once its cues are
+    read), measured around INDEX_PROBES evenly spread times: a time falls in a long GOP more
+    often than in a short one, which is how seeks fall too. Else from the keyframes among the
+    first packets. A video with a single keyframe gets its whole duration.
+    """
+    spacing = _index_spacing(stream)
+    if spacing is None:
+        spacing = _probed_spacing(path)
+    if spacing is None or spacing <= 0:
+        return max(duration, _frame_interval(stream))
+    return spacing
+
+
+def _index_spacing(stream: av.VideoStream) -> float | None:
+    entries = stream.index_entries
+    if len(entries) < 2:
+        return None
+    first, last = entries[0].timestamp, entries[len(entries) - 1].timestamp
+    spacings = []
+    for i in range(INDEX_PROBES):
+        probe = first + (last - first) * (i + 0.5) / INDEX_PROBES
+        before = entries.search_timestamp(int(probe), backward=True)
+        after = entries.search_timestamp(int(probe) + 1, backward=False)
+        if before >= 0 and after > before:
+            spacings.append(entries[after].timestamp - entries[before].timestamp)
+    if not spacings:
+        return None  # one keyframe in the index (or an index of a few entries): probe instead
+    time_base = stream.time_base or Fraction(1, av.time_base)
+    return float(Fraction(sum(spacings), len(spacings)) * time_base)
+
+
+def _probed_spacing(path: Path) -> float | None:
+    """Mean keyframe spacing over the first packets, or the span read when only one keyframe
+    turned up (the spacing is at least that). A second container: the decoding one stays put.
+    Raw streams (.h264) have no timestamps: there packets are counted, a frame interval each."""
+    try:
+        container = av.open(str(path), mode="r")
+    except Exception:
+        return None
+    try:
+        stream = _video_stream(container)
+        time_base = stream.time_base or Fraction(1, av.time_base)
+        interval = _frame_interval(stream)
+        keys: list[float] = []
+        times: list[float] = []
+        for count, packet in enumerate(container.demux(stream)):
+            if packet.size == 0 or count >= PROBE_PACKETS:
+                break
+            time = float(packet.pts * time_base) if packet.pts is not None else count * interval
+            times.append(time)
+            if packet.is_keyframe:
+                keys.append(time)
+                if len(keys) >= PROBE_KEYFRAMES:
+                    break
+    except (*_AV_ERRORS, SourceError):
+        return None
+    finally:
+        container.close()
+    if len(keys) >= 2:
+        return (keys[-1] - keys[0]) / (len(keys) - 1)
+    if len(times) >= 2:
+        return max(times) - min(times)
+    return None
+
+
+def _typical_gap(targets: list[float]) -> float:
+    gaps = sorted(b - a for a, b in zip(targets, targets[1:], strict=False))
+    return gaps[len(gaps) // 2]
+
+
 @dataclass(frozen=True)
 class _Decoded:
     time: float  # seconds from the stream's start
@@ -185,13 +285,17 @@ class _Cursor:
     def __init__(self, container: av.container.InputContainer, stream: av.VideoStream) -> None:
         self._container = container
         self._stream = stream
+        self._codec = stream.codec_context
         self._time_base = stream.time_base or Fraction(1, av.time_base)
         self._start = stream.start_time or 0
         self.frame_interval = _frame_interval(stream)
+        self.seek_gap = SEEK_GAP_SECONDS  # set per video from its keyframe spacing
         self.furthest: float | None = None  # the latest time decoded so far, for messages
         self._frames: Iterator[_Decoded] | None = None
         self._before: _Decoded | None = None  # the frame decoded just before _last
         self._last: _Decoded | None = None  # the most recent frame out of the decoder
+        self._target = 0.0  # the time being looked for: frames no sample can pick are skipped
+        self._needs_seek = False  # the decoder was drained (a keyframe taken alone): seek first
         self.at_end = False  # the decoder ran out of data (since the last seek)
         self._can_seek = True
         self._useless_seeks = 0
@@ -203,10 +307,13 @@ class _Cursor:
         None only when no frame at all could be decoded from where we are.
         """
         position = self._last.time if self._last is not None else 0.0
+        self._target = target
+        if self._needs_seek:
+            self._seek(target, position, forced=True)
+        elif self._can_seek and target - position > self.seek_gap:
+            self._seek(target, position)
         if self._frames is None:
             self._frames = self._decode()
-        if self._can_seek and target - position > SEEK_GAP_SECONDS:
-            self._seek(target, position)
         while self._last is None or self._last.time < target:
             decoded = next(self._frames, None)
             if decoded is None:
@@ -217,15 +324,69 @@ class _Cursor:
             return self._before
         return self._last
 
-    def _seek(self, target: float, position: float) -> None:
+    def keyframe_near(self, target: float, reach: float) -> _Decoded | None:
+        """The keyframe nearest to ``target``, decoded alone, if one lies within ``reach`` of it.
+
+        Seeks to the keyframe at or before the target, reads packets (no decoding) up to the next
+        keyframe, and decodes the nearer of the two. None (nothing decoded) when neither is
+        close enough, or the file cannot seek: the caller then decodes exactly.
+        """
+        if not self._can_seek or not self._seek_demuxer(target):
+            return None
+        self._needs_seek = True  # from here on the decoder's state is not a run's: seek again
+        best: av.Packet | None = None
+        try:
+            for packet in self._container.demux(self._stream):
+                time = self._packet_time(packet)
+                if time is None:
+                    if packet.size == 0:
+                        break  # the end of the data
+                    continue
+                if packet.is_keyframe and (
+                    best is None or abs(time - target) < abs(self._packet_time(best) - target)
+                ):
+                    best = packet
+                if time > target + (abs(self._packet_time(best) - target) if best is not None else reach):
+                    break  # no keyframe further on can be nearer
+        except _AV_ERRORS:
+            pass
+        if best is None or abs(self._packet_time(best) - target) > reach:
+            return None
+        frames = self._decode_alone(best)
+        if not frames:
+            return None
+        decoded = _Decoded(self._frame_time(frames[0], None), self._duration(frames[0]), frames[0])
+        self._before, self._last = None, decoded
+        self.furthest = max(self.furthest or decoded.time, decoded.time)
+        return decoded
+
+    def _decode_alone(self, packet: av.Packet) -> list[av.VideoFrame]:
+        try:
+            frames = self._codec.decode(packet)
+            frames += self._codec.decode(None)  # drain: frame threads hold the frame back otherwise
+        except _AV_ERRORS:
+            return []
+        return [f for f in frames if isinstance(f, av.VideoFrame)]
+
+    def _seek_demuxer(self, target: float) -> bool:
         offset = self._start + int(Fraction(target) / self._time_base)
         try:
             self._container.seek(offset, stream=self._stream, backward=True, any_frame=False)
         except _AV_ERRORS:
             self._can_seek = False  # unseekable input: decoding straight through still works
-            return
+            return False
         if self._frames is not None:
             self._frames.close()
+            self._frames = None
+        self._codec.skip_frame = "DEFAULT"
+        return True
+
+    def _seek(self, target: float, position: float, forced: bool = False) -> None:
+        self._needs_seek = False
+        if not self._seek_demuxer(target):
+            if forced:
+                raise SourceError("the video stopped being seekable while it was sampled")
+            return
         self._frames = self._decode()
         self._before = self._last = None
         self.at_end = False
@@ -234,7 +395,7 @@ class _Cursor:
             self.at_end = True
             return
         self._last = first
-        if first.time <= position:
+        if first.time <= position and not forced:
             # The seek went back to where we already were: a GOP longer than the gap (once in
             # a while, harmless) or a file without an index, where every seek lands at the
             # start and seeking would make sampling quadratic. Stop after a few such.
@@ -244,8 +405,21 @@ class _Cursor:
 
     def _decode(self) -> Iterator[_Decoded]:
         previous: float | None = None
+        recent: deque[float] = deque(maxlen=RECENT_PACKETS)
+        skipping = False
         try:
             for packet in self._container.demux(self._stream):
+                # A frame no sample can pick: before the time looked for, with a later frame that is
+                # not after it already read. Left undecoded when no other frame references it.
+                time = self._packet_time(packet)
+                skip = (
+                    time is not None and time < self._target and any(time < t <= self._target for t in recent)
+                )
+                if skip != skipping:
+                    self._codec.skip_frame = "NONREF" if skip else "DEFAULT"
+                    skipping = skip
+                if time is not None:
+                    recent.append(time)
                 try:
                     frames = packet.decode()
                 except _AV_ERRORS:
@@ -255,22 +429,32 @@ class _Cursor:
                         return
                     continue
                 for frame in frames:
-                    previous = self._time(frame, previous)
+                    previous = self._frame_time(frame, previous)
                     if self.furthest is None or previous > self.furthest:
                         self.furthest = previous
                     yield _Decoded(previous, self._duration(frame), frame)
         except _AV_ERRORS:
             return  # demuxing failed (truncated or damaged container): the data ends here
+        finally:
+            if skipping:
+                self._codec.skip_frame = "DEFAULT"
+
+    def _packet_time(self, packet: av.Packet) -> float | None:
+        if packet.pts is None:
+            return None
+        return float((packet.pts - self._start) * self._time_base)
 
     def _duration(self, frame: av.VideoFrame) -> float:
         if not frame.duration:
             return 0.0
         return float(frame.duration * (frame.time_base or self._time_base))
 
-    def _time(self, frame: av.VideoFrame, previous: float | None) -> float:
+    def _frame_time(self, frame: av.VideoFrame, previous: float | None) -> float:
         pts = frame.pts if frame.pts is not None else frame.dts
         if pts is None:
-            # No timestamp at all (raw .h264 and the like): add up the frame durations.
+            # No timestamp at all (raw .h264 and the like): add up the frame durations. Such a
+            # stream cannot seek to a time: FFmpeg's generic seek reads it to the end trying.
+            self._can_seek = False
             if previous is None:
                 return 0.0
             return previous + (self._duration(frame) or self.frame_interval)
@@ -278,25 +462,30 @@ class _Cursor:
 
 
 def _sample(
-    cursor: _Cursor, targets: list[float], stream: av.VideoStream
+    cursor: _Cursor, targets: list[float], stream: av.VideoStream, *, snap: bool = False
 ) -> Iterator[RenderedImage | UnitFailure]:
     tolerance = max(MIN_END_TOLERANCE_SECONDS, 3 * cursor.frame_interval)
     rotate_tag = stream.metadata.get("rotate")
     index = 0
     produced: _Decoded | None = None
-    for target in targets:
-        found = cursor.nearest(target)
-        # Only running out of data is a failure: a frame long before the target that is
-        # followed by later frames is simply still on screen (variable frame rate).
-        if found is None or (cursor.at_end and target - (found.time + found.duration) > tolerance):
-            yield UnitFailure(index, _past_the_end(target, cursor.furthest), target)
-            index += 1
-            continue
+    orientation: tuple[float, tuple[int, ...]] | None | object = _UNKNOWN  # read from the first frame
+    for number, target in enumerate(targets):
+        found = cursor.keyframe_near(target, _reach(targets, number)) if snap else None
+        if found is None:
+            found = cursor.nearest(target)
+            # Only running out of data is a failure: a frame long before the target that is
+            # followed by later frames is simply still on screen (variable frame rate).
+            if found is None or (cursor.at_end and target - (found.time + found.duration) > tolerance):
+                yield UnitFailure(index, _past_the_end(target, cursor.furthest), target)
+                index += 1
+                continue
         if produced is not None and found.time <= produced.time:
             continue  # two targets, one frame: produce it once (and never step back in time)
         produced = found
+        if orientation is _UNKNOWN:
+            orientation = display_orientation(found.frame)
         try:
-            image = upright_image(found.frame, rotate_tag)
+            image = upright_image(found.frame, rotate_tag, orientation)
         except Exception as exc:
             yield UnitFailure(index, f"frame at {found.time:.2f} s could not be converted: {exc}", found.time)
         else:
@@ -304,24 +493,54 @@ def _sample(
         index += 1
 
 
+def _reach(targets: list[float], number: int) -> float:
+    """How far a sample may move to a keyframe: under half-way to its neighbours, so that
+    snapped samples never collapse into one another."""
+    gaps = []
+    if number > 0:
+        gaps.append(targets[number] - targets[number - 1])
+    if number + 1 < len(targets):
+        gaps.append(targets[number + 1] - targets[number])
+    return min(gaps) / 2 if gaps else math.inf
+
+
 def _past_the_end(target: float, furthest: float | None) -> str:
     end = f"the video data ends at {furthest:.2f} s" if furthest is not None else "no data there"
     return f"no frame near {target:.2f} s ({end}: truncated or damaged file, or shorter than its header says)"
 
 
-def upright_image(frame: av.VideoFrame, rotate_tag: str | None = None) -> Image.Image:
+_UNKNOWN = object()
+
+
+def display_orientation(frame: av.VideoFrame) -> tuple[float, tuple[int, ...]] | None:
+    """(clockwise degrees, display matrix) of the frame's stream, or None when it has none.
+
+    Read once per video, from its first frame: every ``frame.side_data`` access makes a
+    reference cycle that holds the frame (and FFmpeg's buffers) until the cyclic collector
+    runs, which with so few Python objects about is rarely (~70 MB more per 600 frames seen).
+    """
+    matrix = _display_matrix(frame)
+    return None if matrix is None else (-float(frame.rotation), matrix)
+
+
+def upright_image(
+    frame: av.VideoFrame, rotate_tag: str | None = None, orientation: object = _UNKNOWN
+) -> Image.Image:
     """The frame as an RGB image, turned the way the display matrix says it is shown.
 
     FFmpeg 7+ (PyAV >= 13) attaches the stream's display matrix to every decoded frame as
     DISPLAYMATRIX side data; ``frame.rotation`` is its counter-clockwise angle. The legacy
-    ``rotate`` metadata tag (clockwise degrees) is a fallback for other builds.
+    ``rotate`` metadata tag (clockwise degrees) is a fallback for other builds. ``orientation``
+    is ``display_orientation`` of the stream, when already known.
     """
     image = frame.to_image()
     if image.mode != "RGB":
         image = image.convert("RGB")
-    matrix = _display_matrix(frame)
-    if matrix is not None:
-        return _apply_display_matrix(image, -float(frame.rotation), matrix)
+    if orientation is _UNKNOWN:
+        orientation = display_orientation(frame)
+    if orientation is not None:
+        clockwise, matrix = orientation  # type: ignore[misc]
+        return _apply_display_matrix(image, clockwise, matrix)
     if rotate_tag:
         try:
             return _apply_display_matrix(image, float(rotate_tag), None)

@@ -79,6 +79,13 @@ class Settings(BaseSettings):
     )
     limit_memory_bytes: int | None = Field(None, ge=1, description="Address space of the splitting process.")
     ingest_workers: int = Field(2, ge=1, le=64, description="Sources split in parallel (embedded run).")
+    ingest_processes: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="Processes the pages of one PDF are spread over (default: the cores / ingest_workers; "
+        "a fleet ingest worker: 1, its pool already fills the cores).",
+    )
 
     # --- fleet (Celery on RabbitMQ or Redis) ------------------------------------------------
     broker_url: str = Field(

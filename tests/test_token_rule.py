@@ -131,3 +131,29 @@ def test_a_detail_preset_never_adds_tiles(family_model_dir, detail):
     bounds = job_bounds(VisualBudget(detail=detail), ["x"], None, rule.token_geometry)
     for width, height in [(56, 56), (911, 1288), (1280, 720), (97, 1500)]:
         assert rule.visual_tokens(width, height, bounds) <= rule.visual_tokens(width, height)
+
+
+def test_an_unreachable_hub_is_said_so_not_taken_for_a_missing_file(monkeypatch):
+    """huggingface_hub 1.x raises LocalEntryNotFoundError (a subclass of EntryNotFoundError) when
+    the hub cannot be reached: that is not "the model has no such file". The hub is mocked."""
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    from ingest.token_rules import ModelFilesUnavailable, model_file
+
+    calls = []
+
+    def offline(repo, name, revision=None, local_files_only=False, **kwargs):
+        calls.append(local_files_only)
+        raise LocalEntryNotFoundError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    with pytest.raises(ModelFilesUnavailable, match="is the model hub reachable"):
+        model_file("Org/model", "config.json")
+    assert calls == [True, False]  # the cache, then the hub
+
+    def missing(repo, name, revision=None, local_files_only=False, **kwargs):
+        raise EntryNotFoundError("404")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", missing)
+    assert model_file("Org/model", "processor_config.json") is None

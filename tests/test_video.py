@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import av
@@ -42,6 +43,7 @@ def _write(
     container_options: dict[str, str] | None = None,
     arrays: list[np.ndarray] | None = None,
     rotation: tuple[float, bool] | None = None,
+    gop: int | None = None,
 ) -> Path:
     frames = arrays if arrays is not None else [_frame_array(i) for i in range(int(seconds * fps))]
     height, width = frames[0].shape[:2]
@@ -50,9 +52,11 @@ def _write(
         stream.width, stream.height = width, height
         stream.pix_fmt = "yuv420p"
         if CODEC == "libx264":
-            stream.options = {"crf": "12", "g": str(fps)}  # a keyframe every second
+            stream.options = {"crf": "12", "g": str(gop or fps)}  # a keyframe every second by default
+            if gop is not None:  # exactly every `gop` frames: no extra keyframes at scene cuts
+                stream.options = {**stream.options, "sc_threshold": "0"}
         else:
-            stream.codec_context.gop_size = fps
+            stream.codec_context.gop_size = gop or fps
             stream.bit_rate = 2_000_000
         if rotation is not None:
             stream.set_display_rotation(rotation[0], hflip=rotation[1])
@@ -161,9 +165,9 @@ def _count_seeks(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     seeks: list[float] = []
     real = video._Cursor._seek
 
-    def counting(self: video._Cursor, target: float, position: float) -> None:
+    def counting(self: video._Cursor, target: float, position: float, **kwargs: bool) -> None:
         seeks.append(target)
-        real(self, target, position)
+        real(self, target, position, **kwargs)
 
     monkeypatch.setattr(video._Cursor, "_seek", counting)
     return seeks
@@ -197,6 +201,140 @@ def test_default_gap_seeks_only_for_sparse_targets(
     units = _images(list(sample_video_frames(twenty_seconds, num_frames=4)))
     assert seeks  # 5 s apart: seek
     assert [_frame_number(u.image) for u in units] == [25, 75, 125, 175]
+
+
+def _count_decoded(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The time of every frame that came out of the decoder (skipped frames never do)."""
+    decoded: list[float] = []
+    real = video._Decoded
+
+    def counting(time: float, duration: float, frame: av.VideoFrame) -> video._Decoded:
+        decoded.append(time)
+        return real(time, duration, frame)
+
+    monkeypatch.setattr(video, "_Decoded", counting)
+    return decoded
+
+
+def test_keyframe_spacing_is_read_from_the_index_or_the_first_packets(tmp_path: Path) -> None:
+    for name, fmt in (("a.mp4", None), ("b.mkv", None), ("c.h264", "h264")):
+        if fmt == "h264" and CODEC != "libx264":
+            continue
+        path = _write(tmp_path / name, seconds=12, fmt=fmt, gop=30)  # a keyframe every 3 s
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            spacing = video.keyframe_interval(container, stream, path, 12.0)
+            # A raw stream has no timestamps nor frame rate: 30 packets at the guessed rate.
+            expected = 3.0 if fmt is None else 30 * video._frame_interval(stream)
+        assert spacing == pytest.approx(expected, rel=0.12), name
+    single = _write(tmp_path / "one.mp4", seconds=6, gop=1000)
+    with av.open(str(single)) as container:
+        assert video.keyframe_interval(container, container.streams.video[0], single, 6.0) >= 5.5
+
+
+def test_the_seek_gap_follows_the_keyframe_spacing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _write(tmp_path / "gop4.mp4", seconds=24, gop=40)  # a keyframe every 4 s
+    seeks = _count_seeks(monkeypatch)
+    units = _images(list(sample_video_frames(path, num_frames=8)))  # 3 s apart: decode through
+    assert seeks == []
+    assert [_frame_number(u.image) for u in units] == [15 + 30 * i for i in range(8)]
+    units = _images(list(sample_video_frames(path, num_frames=3)))  # 8 s apart: seek
+    assert len(seeks) >= 2
+    assert [_frame_number(u.image) for u in units] == [40, 120, 200]
+
+
+@pytest.mark.skipif(CODEC != "libx264", reason="needs B-frames (libx264)")
+def test_frames_no_sample_can_pick_are_not_decoded_and_the_result_is_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _write(tmp_path / "gop8.mp4", seconds=16, gop=80)  # B-frames, a keyframe every 8 s
+    decoded = _count_decoded(monkeypatch)
+    skipping = list(sample_video_frames(path, fps=1.0))
+    skipped_count = len(decoded)
+    decoded.clear()
+    monkeypatch.setattr(video, "RECENT_PACKETS", 0)  # never sure a frame is not needed: decode all
+    full = list(sample_video_frames(path, fps=1.0))
+    assert len(decoded) >= 150  # every frame of the video
+    assert skipped_count < 0.8 * len(decoded)  # x264's non-reference B-frames were left out
+    assert [(u.index, u.timestamp, u.image.tobytes()) for u in _images(skipping)] == [
+        (u.index, u.timestamp, u.image.tobytes()) for u in _images(full)
+    ]
+    assert [_frame_number(u.image) for u in _images(skipping)] == list(range(0, 160, 10))
+
+
+def test_keyframes_snap_sparse_samples_and_record_the_decoded_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _write(tmp_path / "gop2.mp4", seconds=30, gop=20)  # keyframes at 0, 2, 4 ... s
+    decoded = _count_decoded(monkeypatch)
+    units = _images(list(sample_video_frames(path, num_frames=6, keyframes=True)))
+    # Asked 2.5, 7.5, 12.5 ...: the nearest keyframes are 2, 8, 12, 18, 22, 28 s.
+    assert [u.timestamp for u in units] == pytest.approx([2.0, 8.0, 12.0, 18.0, 22.0, 28.0], abs=1e-6)
+    assert [_frame_number(u.image) for u in units] == [20, 80, 120, 180, 220, 280 % 256]
+    assert len(decoded) <= 6 + 3  # one keyframe per sample (and the first frames, to open the video)
+    exact = _images(list(sample_video_frames(path, num_frames=6)))
+    assert [_frame_number(u.image) for u in exact] == [25, 75, 125, 175, 225, 275 % 256]
+
+
+def test_keyframes_cost_the_same_on_a_long_video(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    short = _write(tmp_path / "short.mp4", seconds=40, gop=40)  # a keyframe every 4 s
+    long = _write(tmp_path / "long.mp4", seconds=160, gop=40)
+    decoded = _count_decoded(monkeypatch)
+    counts = []
+    for path in (short, long):
+        decoded.clear()
+        assert len(_images(list(sample_video_frames(path, num_frames=8, keyframes=True)))) == 8
+        counts.append(len(decoded))
+    assert counts[1] <= counts[0] <= 8 + 3  # one keyframe a sample, whatever the length
+    decoded.clear()
+    list(sample_video_frames(long, num_frames=8))
+    assert len(decoded) > counts[1] + 8  # exact times decode on from the keyframe before each
+
+
+def test_keyframes_leave_dense_samples_exact(tmp_path: Path) -> None:
+    path = _write(tmp_path / "gop2.mp4", seconds=10, gop=20)
+    snapped = _images(list(sample_video_frames(path, fps=1.0, keyframes=True)))  # 1 s apart, keyframes 2 s
+    assert [_frame_number(u.image) for u in snapped] == list(range(0, 100, 10))
+
+
+def test_keyframes_never_collapse_samples_onto_one_keyframe(tmp_path: Path) -> None:
+    path = _write(tmp_path / "rare.mp4", seconds=12, gop=60)  # keyframes at 0 and 6 s only
+    units = _images(list(sample_video_frames(path, num_frames=12, fps=None, keyframes=True)))
+    assert len(units) == 12  # 1 s apart, keyframes 6 s apart: not sparse, every sample exact
+    units = _images(list(sample_video_frames(path, num_frames=2, keyframes=True)))
+    assert [_frame_number(u.image) for u in units] == [0, 60]  # 3 s and 9 s asked: 0 s and 6 s are nearest
+    # 2, 6 and 10 s asked, 4 s apart: denser than the keyframes, so exact times
+    units = _images(list(sample_video_frames(path, num_frames=3, keyframes=True)))
+    assert [_frame_number(u.image) for u in units] == [20, 60, 100]
+
+
+@pytest.mark.parametrize("keyframes", [False, True])
+def test_a_stream_without_timestamps_is_decoded_through_for_sparse_times(
+    tmp_path: Path, keyframes: bool
+) -> None:
+    """A failed seek on a raw .h264 once read it to the end: every later time was "past the end"."""
+    if CODEC != "libx264":
+        pytest.skip("needs libx264")
+    path = _write(tmp_path / "raw.h264", seconds=8, fmt="h264", gop=20)
+    units = _images(list(sample_video_frames(path, num_frames=2, keyframes=keyframes)))
+    assert [_frame_number(u.image) for u in units] == [20, 60]
+
+
+def test_frames_are_freed_as_they_go_not_left_to_the_cycle_collector(tmp_path: Path) -> None:
+    """Reading a frame's side data makes a reference cycle: per frame, RSS grew ~70 MB per 600
+    frames until the collector ran (bench/ingest_memory.py). Only the first frame's is read."""
+    path = _write(tmp_path / "ten.mp4", seconds=10)
+    alive = []
+    for fps in (2.0, 10.0):
+        gc.collect()
+        gc.disable()
+        try:
+            for _unit in sample_video_frames(path, fps=fps):
+                pass
+            alive.append(sum(type(o) is av.VideoFrame for o in gc.get_objects()))
+        finally:
+            gc.enable()
+    assert max(alive) <= 8, alive  # a few, whether 20 frames or 100 (it was 22 and 67)
 
 
 # -- rotation ------------------------------------------------------------------------------

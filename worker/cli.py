@@ -61,12 +61,28 @@ Dpi = Annotated[int | None, typer.Option(help="PDF render at this DPI instead of
 Pages = Annotated[str | None, typer.Option(help="PDF pages, 1-based ranges: '1-3,7'.")]
 Fps = Annotated[float | None, typer.Option(help="Video: frames per second to sample.")]
 NumFrames = Annotated[int | None, typer.Option(help="Video: N frames spread uniformly (instead of --fps).")]
-MaxFrames = Annotated[int, typer.Option(help="Video: at most this many frames.")]
+MaxFrames = Annotated[
+    int,
+    typer.Option(
+        help="Video: at most this many frames per video (64 by default); when --fps would take "
+        "more, this many are spread over the whole video."
+    ),
+]
+Keyframes = Annotated[
+    bool,
+    typer.Option(
+        "--keyframes",
+        help="Video: take the keyframe nearest to each sample when samples are sparser than "
+        "keyframes (near-flat cost on long videos; timestamps are the keyframes').",
+    ),
+]
 ModelOpt = Annotated[str | None, typer.Option(help="Hub id or local folder (default: $VISBATCH_MODEL).")]
 
 
-def _ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames) -> IngestOptions:
-    opts: dict[str, Any] = {"max_frames": max_frames, "pages": pages, "num_frames": num_frames}
+def _ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames, keyframes=False) -> IngestOptions:
+    opts: dict[str, Any] = {
+        "max_frames": max_frames, "pages": pages, "num_frames": num_frames, "keyframes": keyframes,
+    }  # fmt: skip
     if dpi is not None:
         opts.update(dpi=dpi, longest_side=None)
     elif longest_side is not None:
@@ -245,6 +261,7 @@ def run(
     fps: Fps = None,
     num_frames: NumFrames = None,
     max_frames: MaxFrames = 64,
+    keyframes: Keyframes = False,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens generated at most per answer.")] = 256,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option()] = 1.0,
@@ -269,7 +286,7 @@ def run(
         temperature,
         top_p,
         seed,
-        _ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames),
+        _ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames, keyframes),
         _budget(
             detail,
             min_pixels,
@@ -324,6 +341,7 @@ def submit(
     fps: Fps = None,
     num_frames: NumFrames = None,
     max_frames: MaxFrames = 64,
+    keyframes: Keyframes = False,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens generated at most per answer.")] = 256,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option()] = 1.0,
@@ -349,7 +367,7 @@ def submit(
         temperature,
         top_p,
         seed,
-        _ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames),
+        _ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames, keyframes),
         _budget(
             detail,
             min_pixels,
@@ -554,29 +572,38 @@ def _serve_worker_metrics(settings: Settings, port: int | None, *, prefork: bool
 @app.command()
 def ingest(
     paths: Paths,
-    out_dir: Annotated[Path, typer.Option("--out", help="Folder for the page and frame images.")],
-    model: ModelOpt = None,
+    out_dir: Annotated[
+        Path, typer.Option("--out", help="Folder for the images and manifest.jsonl (must be empty or new).")
+    ],
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="Hub id or local folder: adds visual-token counts (default: $VISBATCH_MODEL if set)."
+        ),
+    ] = None,
     longest_side: LongestSide = 1288,
     dpi: Dpi = None,
     pages: Pages = None,
     fps: Fps = None,
     num_frames: NumFrames = None,
     max_frames: MaxFrames = 64,
+    keyframes: Keyframes = False,
+    processes: Annotated[
+        int | None, typer.Option(min=1, help="Processes rendering a PDF's pages (default: the CPU cores).")
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace --out if it holds an ingest.")
+    ] = False,
 ) -> None:
-    """Split sources into page and frame images (PNG) with their visual-token counts; no GPU, no weights."""
-    from ingest.export import export_sources
+    """Split sources into page and frame images (PNG) and a manifest; no GPU, no model weights.
 
-    options = _ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames)
-    rt = _runtime(model)
-    _load_adapter(rt)
-    failures = 0
-    for record in export_sources(paths, out_dir, options, rt.adapter.visual_tokens):
-        if record.get("error"):
-            failures += 1
-            console.print(f"[red]{record['source']}[/] {record.get('unit', '')}: {record['error']}")
-    out.print(f"wrote {out_dir / 'manifest.jsonl'}")
-    if failures:
-        raise typer.Exit(EXIT_PARTIAL)
+    Exit 0 when every source and unit was written, 1 when some failed, 3 when none was, 2 for a
+    usage error, 130 when interrupted (--out is then left as it was).
+    """
+    from worker.ingest_cli import run_ingest
+
+    options = _ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames, keyframes)
+    run_ingest(paths, out_dir, model, options, processes=processes, overwrite=overwrite)
 
 
 def _print_summary(s: dict[str, Any]) -> None:

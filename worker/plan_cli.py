@@ -61,7 +61,10 @@ def plan(
     pages: Annotated[str | None, typer.Option(help="PDF pages, 1-based ranges: '1-3,7'.")] = None,
     fps: Annotated[float | None, typer.Option(help="Video: frames per second to sample.")] = None,
     num_frames: Annotated[int | None, typer.Option(help="Video: N frames spread uniformly.")] = None,
-    max_frames: Annotated[int, typer.Option(help="Video: at most this many frames.")] = 64,
+    max_frames: Annotated[int, typer.Option(help="Video: at most this many frames (64 by default).")] = 64,
+    keyframes: Annotated[
+        bool, typer.Option("--keyframes", help="Video: sparse samples snap to the nearest keyframe.")
+    ] = False,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens generated at most per answer.")] = 256,
     detail: Detail = None,
     min_pixels: MinPixels = None,
@@ -89,6 +92,7 @@ def plan(
     try:
         json_schema = schema_from_json(schema.read_bytes()) if schema is not None else None
         options: dict = {"max_frames": max_frames, "pages": pages, "num_frames": num_frames}
+        options["keyframes"] = keyframes
         if dpi is not None:
             options.update(dpi=dpi, longest_side=None)
         elif longest_side is not None:

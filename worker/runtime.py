@@ -6,6 +6,7 @@ the ingest stage never import torch or transformers; only encode and generate lo
 
 from __future__ import annotations
 
+import os
 import threading
 from functools import cached_property
 from pathlib import Path
@@ -43,6 +44,9 @@ class Runtime:
         self._lock = threading.Lock()
         self._splitters: list[IsolatedSplitter] = []
         self.model_name = resolve_model_name(model or settings.model)
+        # Processes one splitting child spreads a PDF's pages over (ingest.spread).
+        cores = os.cpu_count() or 1
+        self.split_processes = settings.ingest_processes or max(1, cores // settings.ingest_workers)
 
     @cached_property
     def db(self) -> Database:
@@ -97,6 +101,7 @@ class Runtime:
                 self.settings.object_store_url(),
                 endpoint_url=self.settings.s3_endpoint_url,
                 limits=self.limits,
+                processes=self.split_processes,
             )
             self._local.splitter = splitter
             with self._lock:

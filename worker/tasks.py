@@ -71,7 +71,8 @@ def runtime_for(model: str | None) -> Runtime:
             for other in list(_RUNTIMES):
                 _close_service(_RUNTIMES[other])
                 _RUNTIMES.pop(other).close()
-            _RUNTIMES[name] = Runtime(SETTINGS, model=name, db=_db())
+            rt = _RUNTIMES[name] = Runtime(SETTINGS, model=name, db=_db())
+            rt.split_processes = SETTINGS.ingest_processes or 1  # the worker's pool fills the cores
         return _RUNTIMES[name]
 
 
