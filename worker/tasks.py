@@ -19,16 +19,12 @@ engine thread works, and Celery's prefetch then keeps a window of messages in th
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
-import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from pathlib import Path
-from urllib.parse import urlparse
 
 from celery import Task
 from celery.exceptions import Reject, Retry
@@ -45,6 +41,7 @@ from worker import metrics
 from worker.celery_app import app
 from worker.retry import RetryPolicy, describe, is_transient
 from worker.runtime import Runtime
+from worker.stages.ingest import local_copy
 
 log = logging.getLogger(__name__)
 SETTINGS = Settings()
@@ -115,26 +112,6 @@ def retrying(fn: Callable[..., str]) -> Callable[..., str]:
 # --- ingest ---------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def fetched(rt: Runtime, location: str) -> Iterator[Path]:
-    """A local path for a source: as is (shared folder), or streamed from the store or S3 to a temp file."""
-    if location.startswith("file://"):
-        yield Path(urlparse(location).path)
-        return
-    from storage.object_store import download_s3_uri
-
-    with tempfile.TemporaryDirectory(prefix="visbatch-src-") as tmp:
-        dest = Path(tmp) / "source"
-        if location.startswith("store:"):
-            rt.store.download_file(location.removeprefix("store:"), dest)
-        elif location.startswith("s3://"):
-            # A user's object: any key name (spaces, accents), not one of visbatch's own keys.
-            download_s3_uri(location, dest, endpoint_url=SETTINGS.s3_endpoint_url)
-        else:
-            raise ValueError(f"unknown source location {location!r}")
-        yield dest
-
-
 class IngestTask(StageTask):
     def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
         # Retries are spent or the error is not transient: the source fails, the job goes on.
@@ -170,7 +147,7 @@ def ingest_source(self: Task, job_id: str, source_id: int, location: str, first:
 
     selection = UnitSelection(first=first, limit=SETTINGS.ingest_range_units)
     try:
-        with _INGEST_SLOTS, fetched(rt, location) as path:
+        with _INGEST_SLOTS, local_copy(rt, location) as path:
             # A third of the time limit: slow pages end the range early, never the task.
             step = ingest_stage(rt, job_id, source_id, source.uri, path, spec, selection=selection,
                                 on_units=send_encode, time_budget=SETTINGS.task_time_limit / 3)  # fmt: skip

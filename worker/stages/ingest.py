@@ -9,11 +9,14 @@ on the job's countdown is released, and the job closed if that was the last thin
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 from ingest.budget_rows import SourceBudget
 from ingest.isolation import SourceInfo
@@ -92,6 +95,30 @@ class _Chunks:
         ]
         if pending and self.on_units is not None:
             self.on_units(pending)
+
+
+@contextlib.contextmanager
+def local_copy(rt: Runtime, location: str) -> Iterator[Path]:
+    """A local path for a source: as is (a path, or file:// on a shared folder), or streamed from the
+    object store (store:<key>, a file `visbatch submit` uploaded) or S3 to a temporary file."""
+    if location.startswith("file://"):
+        yield Path(urlparse(location).path)
+        return
+    if not location.startswith(("store:", "s3://")):
+        yield Path(location)
+        return
+    from storage.object_store import download_s3_uri
+
+    with tempfile.TemporaryDirectory(prefix="visbatch-src-") as tmp:
+        dest = Path(tmp) / "source"
+        if location.startswith("store:"):
+            rt.store.download_file(location.removeprefix("store:"), dest)
+        elif location.startswith("s3://"):
+            # A user's object: any key name (spaces, accents), not one of visbatch's own keys.
+            download_s3_uri(location, dest, endpoint_url=rt.settings.s3_endpoint_url)
+        else:
+            raise ValueError(f"unknown source location {location!r}")
+        yield dest
 
 
 def ingest_source(
