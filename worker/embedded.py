@@ -38,7 +38,7 @@ from worker.retry import describe
 from worker.runtime import Runtime
 from worker.stages.encode import encode_units, give_up
 from worker.stages.generate import GenerateService
-from worker.stages.ingest import ingest_source
+from worker.stages.ingest import IngestStep, ingest_source, local_copy
 from worker.stages.start import SourceInput, SourceToIngest, reopen_job, start_job
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,7 @@ class EmbeddedRun:
         self._counts = _Counts()
         self._failure: BaseException | None = None
         self._depths: dict[str, Callable[[], int]] = {}
+        self.answers = 0  # answers this run stored
 
     # --- entry points ----------------------------------------------------------------------------
 
@@ -189,7 +190,7 @@ class EmbeddedRun:
         return {
             "split": self._counts.split,
             "tower_images": tokens.stats.images_encoded if tokens is not None else 0,
-            "answers": getattr(self, "answers", 0),
+            "answers": self.answers,
         }
 
     def _ingest_all(
@@ -217,21 +218,14 @@ class EmbeddedRun:
                 with contextlib.suppress(Stopped):  # stored and pending: a resumed job encodes them
                     self._put(to_encode, units)
 
-            step = self.rt.retry.call(
-                lambda: ingest_source(
-                    self.rt,
-                    job_id,
-                    source.source_id,
-                    source.uri,
-                    Path(source.location),
-                    spec,
-                    selection=UnitSelection(skip=skip),
-                    on_units=on_units,
-                    stop=self.stop,
-                ),  # fmt: skip
-                what=f"ingest {source.uri}",
-                stop=self.stop,
-            )
+            def ingest() -> IngestStep:
+                with local_copy(self.rt, source.location) as path:
+                    return ingest_source(
+                        self.rt, job_id, source.source_id, source.uri, path, spec,
+                        selection=UnitSelection(skip=skip), on_units=on_units, stop=self.stop,
+                    )  # fmt: skip
+
+            step = self.rt.retry.call(ingest, what=f"ingest {source.uri}", stop=self.stop)
             with self._counts.lock:
                 self._counts.sources_done += 1
                 self._counts.split += step.units_stored
