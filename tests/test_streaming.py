@@ -144,7 +144,11 @@ def test_sigterm_cancels_the_job_and_resume_finishes_it(env, tmp_path):
     db = _db(env)
     _wait(lambda: _count(db, "SELECT count(*) FROM results WHERE job_id = :id", id=job_id) > 0)
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=60)
+    signalled = time.monotonic()
+    _, stderr = proc.communicate(timeout=180)
+    # Promptly: the engine's requests are aborted and the splitting children killed at once (the
+    # bound is generous only because CI machines are shared).
+    assert time.monotonic() - signalled < 60, stderr
     assert proc.returncode == 130, stderr
     summary = repo.job_summary(db, job_id)
     assert summary["status"] == "cancelled"
