@@ -259,6 +259,8 @@ class OpenAIEngine(StepEngine):
         self._live.clear()
         if self._client is not None:
             asyncio.run_coroutine_threadsafe(self._client.aclose(), loop).result(timeout=30)
+        # The threads that built request bodies (asyncio.to_thread).
+        asyncio.run_coroutine_threadsafe(loop.shutdown_default_executor(), loop).result(timeout=30)
         loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -299,7 +301,8 @@ class OpenAIEngine(StepEngine):
                 return answer
             except Exception as exc:
                 if not is_transient(exc):
-                    return Generation.failed(f"the LLM server refused the request: {failure_text(exc)}")
+                    what = "refused the request" if isinstance(exc, httpx.HTTPStatusError) else "call failed"
+                    return Generation.failed(f"the LLM server {what}: {failure_text(exc)}")
                 if attempt >= retry.max_retries:
                     return Generation.failed(
                         f"the LLM server failed {attempt + 1} tries, the last: {failure_text(exc)}"
