@@ -1,9 +1,9 @@
 """Which errors may pass: the one classification every retry in visbatch uses.
 
-A transient error is a service that is down, slow or throttling (the database, Redis, an S3 API;
-a timeout, a 5xx, SlowDown), never an answer about the request itself (403, 404, 412, a bad
-image, a schema violation). worker.retry retries the first kind with backoff; the drop folder
-leaves an object for the next poll on them.
+A transient error is a service that is down, slow or throttling (the database, Redis, an S3 API,
+the LLM server; a timeout, a 5xx, a 429, SlowDown), never an answer about the request itself
+(400, 403, 404, 412, a bad image, a schema violation). worker.retry retries the first kind with
+backoff; the drop folder leaves an object for the next poll on them.
 """
 
 from __future__ import annotations
@@ -28,10 +28,15 @@ _RETRYABLE_S3_CODES = frozenset(
 )
 
 
+# HTTP statuses of a server that is down, overloaded or throttling (besides every 5xx).
+_RETRYABLE_HTTP_STATUSES = frozenset({408, 429})
+
+
 @cache
 def transient_types() -> tuple[type[BaseException], ...]:
-    """Exception classes of a service that is down or slow (imported lazily: boto, redis, SQLAlchemy)."""
+    """Exception classes of a service that is down or slow (imported lazily: boto, redis, ...)."""
     import botocore.exceptions
+    import httpx
     import redis.exceptions
     import sqlalchemy.exc
 
@@ -42,6 +47,11 @@ def transient_types() -> tuple[type[BaseException], ...]:
         redis.exceptions.TimeoutError,
         botocore.exceptions.ConnectionError,  # endpoint unreachable, connection closed, timeouts
         botocore.exceptions.HTTPClientError,
+        # The LLM server (worker.engines.openai_engine): unreachable, reset, or too slow. Not every
+        # httpx.TransportError: a bad URL scheme or a malformed request will not heal on a retry.
+        httpx.TimeoutException,
+        httpx.NetworkError,
+        httpx.RemoteProtocolError,
         ConnectionError,
         TimeoutError,
     )
@@ -60,6 +70,9 @@ def is_transient(exc: BaseException) -> bool:
         code = str(response.get("Error", {}).get("Code", ""))
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         return code in _RETRYABLE_S3_CODES or (isinstance(status, int) and status >= 500)
+    status = getattr(response, "status_code", None)  # httpx.HTTPStatusError
+    if isinstance(status, int):
+        return status >= 500 or status in _RETRYABLE_HTTP_STATUSES
     cause = exc.__cause__ or exc.__context__
     return cause is not None and cause is not exc and is_transient(cause)
 

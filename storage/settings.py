@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import cached_property
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "Qwen/Qwen2-VL-2B-Instruct"
@@ -39,7 +39,8 @@ class Settings(BaseSettings):
     model_revision: str | None = Field(None, description="Hub revision (part of every cache key).")
     engine: str = Field(
         "auto",
-        description="Generation engine: vllm, transformers, or auto (vllm where importable, on a GPU).",
+        description="Generation engine: vllm, transformers, openai (a vLLM server at llm_url), or auto "
+        "(vllm where importable, on a GPU).",
     )
     device: str = Field("auto", description="torch device: auto, cpu, cuda, cuda:1 ...")
     dtype: str = Field("auto", description="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.")
@@ -66,6 +67,21 @@ class Settings(BaseSettings):
     vllm_max_model_len: int | None = Field(None, ge=1, description="Context length (default: the model's).")
     vllm_tensor_parallel_size: int = Field(1, ge=1, description="GPUs one model is split over.")
     vllm_enforce_eager: bool = Field(False, description="Skip graph capture/compilation (faster start).")
+
+    # --- openai engine: a running `vllm serve` (VISBATCH_LLM_*) ----------------------------
+    llm_url: str | None = Field(
+        None, description="Base URL of the vLLM OpenAI-compatible server, e.g. http://host:8000/v1."
+    )
+    llm_model: str | None = Field(None, description="Served model name to ask for (default: the server's).")
+    # SecretStr: repr and str print '**********', so a logged or printed Settings never shows it.
+    llm_api_key: SecretStr | None = Field(
+        None, description="Bearer token of the server (its --api-key); default: $OPENAI_API_KEY."
+    )
+    llm_timeout_s: float = Field(600.0, gt=0, description="Seconds one request may take at the server.")
+    llm_max_in_flight: int = Field(
+        64, ge=1, description="HTTP requests kept open at the server (each carries its embeddings)."
+    )
+    llm_max_retries: int = Field(5, ge=0, description="Retries of a timeout, connection error, 429 or 5xx.")
 
     # --- input limits (defaults in ingest/limits.py; None keeps the default) -----------------
     limit_max_source_bytes: int | None = Field(None, ge=1, description="Bytes per source file.")

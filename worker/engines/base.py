@@ -33,6 +33,10 @@ class EngineRequest:
     prune_keep: float = 1.0
     # Share of the image's visual tokens left after merging similar neighbours (transformers engine).
     merge_keep: float = 1.0
+    # The user's prompt text that `prompt_ids` were built from. An engine that cannot send token ids
+    # (the openai engine: vLLM's chat API takes embeddings only in messages) sends it instead and
+    # checks that the server's rendering gives back `prompt_ids` exactly.
+    prompt: str | None = None
 
     @property
     def sampling_key(self) -> tuple[float, float, int]:

@@ -25,7 +25,6 @@ them. Qwen3-VL needs its tower MODULE present in vLLM (never run) for deepstack:
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 from dataclasses import asdict, dataclass
 from functools import cached_property
@@ -34,6 +33,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from worker.engines.base import EngineRequest, Generation, RequestRejected, StepEngine
+from worker.engines.vllm_common import (
+    GenerationDefaults,
+    ReductionWarnings,
+    completion_ids,
+    generation_defaults,
+    schema_string,
+)
 from worker.models.base import ModelAdapter
 from worker.visual_tokens import InvalidVisualTokens, TokenSpec
 
@@ -140,8 +146,7 @@ class VLLMEngine(StepEngine):
         self.options = options or VLLMOptions()
         super().__init__()
         self.prefix_cache = PrefixCacheCounts()
-        self._warned_pruning = False
-        self._warned_merging = False
+        self._reductions = ReductionWarnings("vLLM engine", log)
         self._live: set[str] = set()  # our ids of the requests inside vLLM (vLLM reports them so)
         self._ready: list[tuple[str, Generation]] = []  # refused before reaching vLLM
 
@@ -191,27 +196,8 @@ class VLLMEngine(StepEngine):
         return int(self.llm.llm_engine.model_config.max_model_len)
 
     @cached_property
-    def _generation_defaults(self) -> tuple[set[int], float]:
-        """(end-of-sequence ids, repetition penalty) from the model's generation config.
-
-        transformers' generate() applies the model's repetition_penalty even when greedy;
-        vLLM only applies what SamplingParams says, so it is passed on to keep the engines equal.
-        """
-        from transformers import GenerationConfig
-
-        ref = self.adapter.ref
-        eos: set[int] = set()
-        penalty = 1.0
-        try:
-            config = GenerationConfig.from_pretrained(ref.source, revision=ref.revision)
-            ids = config.eos_token_id
-            eos.update([ids] if isinstance(ids, int) else list(ids or []))
-            penalty = float(config.repetition_penalty or 1.0)
-        except OSError:  # no generation_config.json: the tokenizer's end of sequence only
-            pass
-        if self.adapter.tokenizer.eos_token_id is not None:
-            eos.add(int(self.adapter.tokenizer.eos_token_id))
-        return eos, penalty
+    def _generation_defaults(self) -> GenerationDefaults:
+        return generation_defaults(self.adapter)
 
     # --- the step API ----------------------------------------------------------------------
 
@@ -220,22 +206,7 @@ class VLLMEngine(StepEngine):
         return len(self._live) + len(self._ready)
 
     def add(self, request_id: str, request: EngineRequest) -> None:
-        if request.prune_keep < 1.0 and not self._warned_pruning:
-            self._warned_pruning = True
-            log.warning(
-                "visual-token pruning (prune_keep=%g) is ignored by the vLLM engine: vLLM sizes each "
-                "image from its grid and cannot take fewer tokens; use --detail or --max-pixels to "
-                "spend fewer tokens, or VISBATCH_ENGINE=transformers to prune",
-                request.prune_keep,
-            )
-        if request.merge_keep < 1.0 and not self._warned_merging:
-            self._warned_merging = True
-            log.warning(
-                "visual-token merging (merge_keep=%g) is ignored by the vLLM engine: vLLM sizes each "
-                "image from its grid and cannot take fewer tokens; use --detail or --max-pixels to "
-                "spend fewer tokens, or VISBATCH_ENGINE=transformers to merge",
-                request.merge_keep,
-            )
+        self._reductions.check(request)
         try:
             self._check(request)
             prompt = self.adapter.vllm_prompt(request.prompt_ids, request.visual, request.cache_key)
@@ -275,13 +246,12 @@ class VLLMEngine(StepEngine):
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
 
-        _, penalty = self._generation_defaults
+        penalty = self._generation_defaults.repetition_penalty
         greedy = request.temperature <= 0
         structured = None
         if request.json_schema is not None:
-            # The schema exactly as worker.structured hands it to llguidance (keys sorted): the
-            # grammar fixes the order of properties, so equal text needs an equal schema string.
-            schema = json.dumps(request.json_schema, sort_keys=True)
+            # The same schema string and whitespace rule as the transformers engine's grammar.
+            schema = schema_string(request.json_schema)
             structured = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
         return SamplingParams(
             max_tokens=request.max_new_tokens,
@@ -299,11 +269,7 @@ class VLLMEngine(StepEngine):
         finish = completion.finish_reason
         if finish not in ("stop", "length"):  # aborted or failed inside vLLM
             return Generation.failed(f"vLLM finished the request with {finish!r}")
-        token_ids = list(completion.token_ids)
-        eos, _ = self._generation_defaults
-        # vLLM keeps the end-of-sequence token in the output; the transformers engine does not.
-        if finish == "stop" and token_ids and token_ids[-1] in eos:
-            token_ids = token_ids[:-1]
+        token_ids = completion_ids(completion.token_ids, finish, self._generation_defaults.eos_token_ids)
         text = self.adapter.tokenizer.decode(token_ids, skip_special_tokens=True)
         self.prefix_cache.prompt_tokens += len(output.prompt_token_ids or [])
         self.prefix_cache.cached_tokens += output.num_cached_tokens or 0

@@ -1,0 +1,86 @@
+"""What the two vLLM engines share, so that in-process vLLM and a `vllm serve` answer alike.
+
+The in-process engine (worker.engines.vllm_engine) builds vLLM's SamplingParams itself; the
+server engine (worker.engines.openai_engine) sends the same values as request fields. Both take
+them from here: the model's end-of-sequence ids and repetition penalty (transformers applies
+generation_config.json's penalty even when greedy, vLLM only what it is given), the schema string
+(the grammar fixes the order of properties, so equal text needs an equal string), the trimming of
+the end-of-sequence token vLLM keeps in its output, and the warning for pruning or merging,
+which vLLM cannot do (it sizes each image from its grid).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from worker.engines.base import EngineRequest
+    from worker.models.base import ModelAdapter
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    eos_token_ids: frozenset[int]
+    repetition_penalty: float
+
+
+def generation_defaults(adapter: ModelAdapter) -> GenerationDefaults:
+    """End-of-sequence ids and repetition penalty from the model's generation config (read from
+    its folder or the hub: no weights), plus the tokenizer's end of sequence."""
+    from transformers import GenerationConfig
+
+    ref = adapter.ref
+    eos: set[int] = set()
+    penalty = 1.0
+    try:
+        config = GenerationConfig.from_pretrained(ref.source, revision=ref.revision)
+        ids = config.eos_token_id
+        eos.update([ids] if isinstance(ids, int) else list(ids or []))
+        penalty = float(config.repetition_penalty or 1.0)
+    except OSError:  # no generation_config.json: the tokenizer's end of sequence only
+        pass
+    if adapter.tokenizer.eos_token_id is not None:
+        eos.add(int(adapter.tokenizer.eos_token_id))
+    return GenerationDefaults(frozenset(eos), penalty)
+
+
+def schema_string(schema: dict[str, Any]) -> str:
+    """The schema exactly as worker.structured hands it to llguidance (keys sorted)."""
+    return json.dumps(schema, sort_keys=True)
+
+
+def completion_ids(token_ids: Iterable[int], finish_reason: str, eos: frozenset[int]) -> list[int]:
+    """vLLM keeps the end-of-sequence token in its output; the transformers engine does not."""
+    ids = list(token_ids)
+    if finish_reason == "stop" and ids and ids[-1] in eos:
+        ids = ids[:-1]
+    return ids
+
+
+class ReductionWarnings:
+    """Warns once per engine that pruning / merging are ignored: vLLM expands each image
+    placeholder to the grid's token count and computes the positions itself, so it cannot take
+    fewer embeddings than the grid implies. Such requests run in full (pruned/merged_tokens=0)."""
+
+    def __init__(self, engine_label: str, logger: logging.Logger) -> None:
+        self.engine_label = engine_label
+        self.log = logger  # the engine's own, so its warnings are filtered and found under its name
+        self._warned: set[str] = set()
+
+    def check(self, request: EngineRequest) -> None:
+        for what, keep, verb in (
+            ("pruning", request.prune_keep, "prune"),
+            ("merging", request.merge_keep, "merge"),
+        ):
+            if keep < 1.0 and what not in self._warned:
+                self._warned.add(what)
+                self.log.warning(
+                    "visual-token %s (%s_keep=%g) is ignored by the %s: vLLM sizes each image from "
+                    "its grid and cannot take fewer tokens; use --detail or --max-pixels to spend "
+                    "fewer tokens, or VISBATCH_ENGINE=transformers to %s",
+                    what, verb, keep, self.engine_label, verb,
+                )  # fmt: skip
