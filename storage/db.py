@@ -102,6 +102,19 @@ class Database:
         """Run Alembic migrations down to ``revision`` ("base" drops everything)."""
         self._run_alembic("downgrade", revision)
 
+    def current_revision(self) -> str | None:
+        """The migration this database is at; None for an empty database (never migrated)."""
+        from alembic.runtime.migration import MigrationContext
+
+        with self.engine.connect() as connection:
+            return MigrationContext.configure(connection).get_current_revision()
+
+    def head_revision(self) -> str | None:
+        """The latest migration this version of visbatch has."""
+        from alembic.script import ScriptDirectory
+
+        return ScriptDirectory.from_config(self.alembic_config()).get_current_head()
+
     def alembic_config(self) -> Any:
         from alembic.config import Config
 
