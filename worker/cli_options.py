@@ -187,8 +187,9 @@ _FIELD_FLAGS = {
 class JobOptions:
     """The values of a command's job options, and the JobSpec they make."""
 
-    def __init__(self, values: dict[str, Any]) -> None:
+    def __init__(self, values: dict[str, Any], *, python: bool = False) -> None:
         self.values = values
+        self.python = python  # errors name `detail='ultra'` (Python callers), else `--detail ultra`
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.values.get(name, default)
@@ -236,8 +237,8 @@ class JobOptions:
         from ingest.spec import SpecError, schema_from_json
 
         path = self.values.get("schema")
-        if path is None:
-            return None
+        if path is None or isinstance(path, dict):  # a dict (Python callers): JobSpec checks it
+            return path
         try:
             return schema_from_json(Path(path).read_bytes())
         except OSError as exc:
@@ -263,21 +264,28 @@ class JobOptions:
         try:
             return build()
         except ValidationError as exc:
-            raise UserError(describe_option_error(exc, self.values), "see the command's --help") from None
+            fix = "see help(visbatch.run)" if self.python else "see the command's --help"
+            raise UserError(describe_option_error(exc, self.values, python=self.python), fix) from None
         except ValueError as exc:
             raise UserError(str(exc)) from None
 
 
-def describe_option_error(exc: Any, values: dict[str, Any]) -> str:
-    """pydantic's errors as `--option VALUE: reason`, one clause per problem, no URLs."""
+def describe_option_error(exc: Any, values: dict[str, Any], *, python: bool = False) -> str:
+    """pydantic's errors as `--option VALUE: reason` (or `option=VALUE: reason` for Python
+    callers), one clause per problem, no URLs."""
     problems = []
     for error in exc.errors(include_url=False, include_input=False):
         field = next((str(part) for part in reversed(error["loc"]) if isinstance(part, str)), "")
-        flag = _FIELD_FLAGS.get(field, "--" + field.replace("_", "-") if field else "the options")
         message = error["msg"].removeprefix("Value error, ")
-        value = values.get(field)
-        shown = f" {value}" if value is not None and not isinstance(value, list | dict | bool) else ""
-        problems.append(f"{flag}{shown}: {message[:1].lower()}{message[1:]}")
+        name = {"prompts": "prompt", "json_schema": "schema"}.get(field, field)
+        value = values.get(name)
+        plain = value is not None and not isinstance(value, list | dict | bool)
+        if python:
+            where = f"{name}={value!r}" if plain else (name or "the options")
+        else:
+            flag = _FIELD_FLAGS.get(field, "--" + field.replace("_", "-") if field else "the options")
+            where = f"{flag} {value}" if plain else flag
+        problems.append(f"{where}: {message[:1].lower()}{message[1:]}")
     return "; ".join(problems) or str(exc)
 
 
