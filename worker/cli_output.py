@@ -61,6 +61,7 @@ class LineProgress:
         self.state: dict[str, tuple[int, int | None]] = {}
         self.started = time.monotonic()
         self.last = self.started
+        self.printed: str | None = None
         self.lock = threading.Lock()
 
     def update(self, stage: str, done: int, total: int | None = None) -> None:
@@ -83,11 +84,12 @@ class LineProgress:
         return ", ".join(parts)
 
     def _print(self, now: float) -> None:
-        self.console.print(f"progress: {self.line()} ({now - self.started:.0f} s)")
+        self.printed = self.line()
+        self.console.print(f"progress: {self.printed} ({now - self.started:.0f} s)")
 
     def finish(self) -> None:
         with self.lock:
-            if self.state:
+            if self.state and self.line() != self.printed:  # the last state, once
                 self._print(time.monotonic())
 
 
