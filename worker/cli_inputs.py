@@ -8,7 +8,6 @@ from pathlib import Path
 
 import typer
 
-from ingest.inputs import select_inputs
 from worker.cli_errors import UserError
 from worker.cli_options import JobOptions
 
@@ -16,6 +15,8 @@ from worker.cli_options import JobOptions
 def chosen_files(paths: Sequence[Path], job: JobOptions, *, quiet: bool = False) -> list[Path]:
     """The files a job takes, in order. A path that does not exist, or no file at all, is a
     usage error (exit 2) before anything starts: a typo must not become a failed job."""
+    from ingest.inputs import select_inputs  # PyAV comes with it: only commands that take files
+
     selection = select_inputs(paths, job.include, job.exclude)
     if selection.missing:
         names = ", ".join(str(p) for p in selection.missing[:5])
