@@ -4,7 +4,7 @@ A job option is declared here once, in its group (inputs, prompt, schema, model,
 sampling, budget); a command takes the groups it needs with ``@job_options(...)`` and gets ONE
 parameter, a ``JobOptions``, that builds the ``JobSpec`` (one place, one validation: the spec's
 own) and names the option at fault when a value is refused. Adding a flag is one ``Opt`` line
-in its group and one line where its value is used (``JobOptions.ingest`` for an ingest option);
+in its group (an ingest option that is an ``IngestOptions`` field needs nothing else);
 `tests/test_cli_options.py` checks that the commands cannot drift apart.
 
 How: the decorator rewrites the command's signature (Typer reads ``inspect.signature``), putting
@@ -134,7 +134,8 @@ MODEL_OPTIONS: tuple[Opt, ...] = (
 )
 
 # How sources become images: every field of ingest.spec.IngestOptions, and nothing else.
-# (One place: a new ingest option is one line here and one in JobOptions.ingest.)
+# (One place: a new option that is an IngestOptions field is this one line; JobOptions.ingest
+# passes it on by name.)
 INGEST_OPTIONS: tuple[Opt, ...] = (
     Opt("longest_side", Annotated[int | None, _opt("PX", "PDF pages: longest side in pixels.")], 1288),
     Opt("dpi", Annotated[int | None, _opt("N", "PDF pages: render at N DPI instead.")]),
@@ -211,19 +212,16 @@ class JobOptions:
         return list(self.values.get("exclude") or [])
 
     def ingest(self) -> IngestOptions:
-        v = self.values
-        opts: dict[str, Any] = {
-            "max_frames": v["max_frames"],
-            "pages": v["pages"],
-            "num_frames": v["num_frames"],
+        # Every ingest option that is a field of IngestOptions goes in as given (None: its
+        # default), so a new option needs no line here. --dpi wins over the default longest side.
+        given = {
+            opt.name: self.values[opt.name]
+            for opt in INGEST_OPTIONS
+            if opt.name in IngestOptions.model_fields and self.values.get(opt.name) is not None
         }
-        if v["dpi"] is not None:
-            opts.update(dpi=v["dpi"], longest_side=None)
-        elif v["longest_side"] is not None:
-            opts["longest_side"] = v["longest_side"]
-        if v["fps"] is not None:
-            opts["fps"] = v["fps"]
-        return self._checked(lambda: IngestOptions(**opts))
+        if given.get("dpi") is not None:
+            given["longest_side"] = None
+        return self._checked(lambda: IngestOptions(**given))
 
     def sampling(self) -> Sampling:
         fields = {opt.name: self.values[opt.name] for opt in SAMPLING_OPTIONS if opt.name in self.values}
