@@ -83,11 +83,12 @@ def _prepare_model(rt: Any, explicit: str | None, *, weights: bool = True) -> No
     """Say which model the command uses, and fail in seconds, with the fix, when it cannot be
     had: the token rule (its small JSON files) first, then the weights."""
     console.print(f"model: {escape(rt.model_name)} (from {escape(_model_origin(rt, explicit))})")
+    # Loading bars of the hub and transformers are noise in a log; the model line says what loads.
+    # (Read when huggingface_hub is imported: before the token rule below imports it.)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     rt.token_rule  # noqa: B018 - ModelFilesUnavailable here is exit 4 with the fix (cli_errors)
     if not weights:
         return
-    # Loading bars of transformers are noise in a log; the model line above says what loads.
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         rt.adapter.visual_tokens(448, 448)
     except Exception as exc:
