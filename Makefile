@@ -23,6 +23,8 @@ $(VENV)/.installed: pyproject.toml
 $(TINY): | install
 	$(BIN)/visbatch model tiny $(TINY)
 
+# `make run` also records the model as this folder's default (`visbatch model use`, in
+# .visbatch/config.json), so that a plain `visbatch run ...` afterwards uses the same model.
 ifeq ($(MODEL),tiny)
 RUN_MODEL := $(TINY)
 run: $(TINY)
@@ -30,7 +32,9 @@ else
 RUN_MODEL := $(MODEL)
 run: install
 endif
-	$(BIN)/visbatch run examples/invoice.pdf examples/clip.mp4 --model $(RUN_MODEL) --prompt "$(PROMPT)" \
+	$(BIN)/visbatch model use $(RUN_MODEL)
+	@echo "visbatch is installed in $(BIN): '. $(BIN)/activate' puts it on your PATH"
+	$(BIN)/visbatch run examples/ --prompt "$(PROMPT)" \
 		--prompt "Is there a table or a chart? Answer yes or no." --max-new-tokens 24
 
 # The review pages' tests drive Debian's headless Chromium (apt-get, as root; under CI=true a

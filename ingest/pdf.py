@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
 from PIL import Image
 
 from ingest.mupdf import pymupdf
+from ingest.spec import PAGE_RANGE_ITEM
 from ingest.units import RenderedImage, SourceError, UnitFailure, UnitSelection
 
 DEFAULT_LONGEST_SIDE = 1288
@@ -19,7 +19,7 @@ DEFAULT_LONGEST_SIDE = 1288
 MAX_RENDER_PIXELS = 50_000_000
 POINTS_PER_INCH = 72.0
 
-_RANGE_ITEM = re.compile(r"^\s*(\d+)\s*(?:(-)\s*(\d*)\s*)?$")
+_RANGE_ITEM = PAGE_RANGE_ITEM
 
 
 def parse_page_ranges(spec: str, page_count: int) -> list[int]:

@@ -11,6 +11,7 @@ failure into a ``SpecError`` whose message is the same wherever the spec came fr
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +34,10 @@ __all__ = [
     "spec_from_json",
 ]
 
+# One item of a page range ("3", "1-3", "5-"), 1-based; the PDF splitter checks it against the
+# page count, the spec only its syntax (so a typo is refused before a job starts).
+PAGE_RANGE_ITEM = re.compile(r"^\s*(\d+)\s*(?:(-)\s*(\d*)\s*)?$")
+
 # A spec file holds prompts (64 x 32,000 characters at most) and a 64 KiB schema.
 MAX_SPEC_BYTES = 4 * 1024 * 1024
 
@@ -51,6 +56,23 @@ class IngestOptions(BaseModel):
     keyframes: bool = Field(
         False, description="Video: sparse samples snap to the nearest keyframe (timestamps as decoded)."
     )
+
+    @field_validator("pages")
+    @classmethod
+    def _page_ranges(cls, pages: str | None) -> str | None:
+        if pages is None:
+            return pages
+        if not pages.strip():
+            raise ValueError("empty page range")
+        for item in pages.split(","):
+            match = PAGE_RANGE_ITEM.match(item)
+            if match is None:
+                raise ValueError(f"bad page range {item.strip()!r} (expected e.g. '1-3,7')")
+            if int(match.group(1)) < 1:
+                raise ValueError(f"bad page range {item.strip()!r}: pages are numbered from 1")
+            if match.group(3) and int(match.group(3)) < int(match.group(1)):
+                raise ValueError(f"bad page range {item.strip()!r}: the end is before the start")
+        return pages
 
     @model_validator(mode="after")
     def _one_video_mode(self) -> IngestOptions:

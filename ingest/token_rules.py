@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import lru_cache
@@ -287,6 +288,12 @@ def model_file(model: str, name: str, revision: str | None = None) -> Path | Non
         return None
     except Exception:  # noqa: S110 - a corrupt cache entry: ask the hub below
         pass
+    # huggingface_hub retries an unreachable hub for ~25 s, printing each retry: ask once, quickly.
+    unreachable = hub_unreachable_reason()
+    if unreachable is not None:
+        raise ModelFilesUnavailable(
+            f"model {model!r} is not on this machine and the model hub cannot be reached ({unreachable})"
+        )
     try:
         return Path(hf_hub_download(model, name, revision=revision, etag_timeout=5))
     except LocalEntryNotFoundError as exc:
@@ -302,6 +309,28 @@ def _unreachable(model: str, name: str, exc: Exception) -> ModelFilesUnavailable
         f"cannot read {name} of model {model!r} ({type(exc).__name__}); "
         "is the model hub reachable? Give a local model folder with --model (or VISBATCH_MODEL)"
     )
+
+
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+def hub_unreachable_reason() -> str | None:
+    """Why the model hub cannot be reached (offline mode, no DNS, no route), or None: one TCP
+    connection with a short timeout, instead of the hub client's retries."""
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    url = urlsplit(constants.ENDPOINT)
+    host = url.hostname or "huggingface.co"
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+    except OSError as exc:
+        return f"{host}: {exc.strerror or type(exc).__name__}"
+    return None
 
 
 def read_json_file(model: str, name: str, revision: str | None = None) -> dict[str, Any] | None:

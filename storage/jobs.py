@@ -184,7 +184,9 @@ def _errors_select(job_id: str) -> list[Select[Any]]:
     failed_sources = (
         select(
             SOURCES.c.uri.label("source"),
+            SOURCES.c.kind.label("kind"),
             null().label("unit"),
+            null().label("timestamp"),
             null().label("prompt"),
             SOURCES.c.error.label("message"),
         )
@@ -194,7 +196,9 @@ def _errors_select(job_id: str) -> list[Select[Any]]:
     failed_units = (
         select(
             SOURCES.c.uri.label("source"),
+            SOURCES.c.kind.label("kind"),
             UNITS.c.unit_index.label("unit"),
+            UNITS.c.timestamp.label("timestamp"),
             null().label("prompt"),
             UNITS.c.error.label("message"),
         )
@@ -205,7 +209,9 @@ def _errors_select(job_id: str) -> list[Select[Any]]:
     failed_results = (
         select(
             SOURCES.c.uri.label("source"),
+            SOURCES.c.kind.label("kind"),
             UNITS.c.unit_index.label("unit"),
+            UNITS.c.timestamp.label("timestamp"),
             RESULTS.c.prompt_index.label("prompt"),
             RESULTS.c.error.label("message"),
         )
@@ -217,14 +223,29 @@ def _errors_select(job_id: str) -> list[Select[Any]]:
     return [failed_sources, failed_units, failed_results]
 
 
-def _collect_errors(session: Session, job_id: str, cap: int) -> tuple[list[dict[str, Any]], bool]:
+def _collect_errors(
+    session: Session, job_id: str, cap: int, prompts: Sequence[str]
+) -> tuple[list[dict[str, Any]], bool]:
+    """Errors with where they happened: ``unit`` and ``prompt`` are 0-based indexes (as in the
+    tables), ``page_number`` is 1-based (PDFs, as people count), ``prompt_text`` the question."""
     errors: list[dict[str, Any]] = []
     for stmt in _errors_select(job_id):
         room = cap + 1 - len(errors)  # one extra row tells us whether we truncated
         if room <= 0:
             break
-        for source, unit, prompt, message in session.execute(stmt.limit(room)):
-            errors.append({"source": source, "unit": unit, "prompt": prompt, "message": message or ""})
+        for source, kind, unit, timestamp, prompt, message in session.execute(stmt.limit(room)):
+            errors.append(
+                {
+                    "source": source,
+                    "kind": kind,
+                    "unit": unit,
+                    "page_number": unit + 1 if unit is not None and kind == "pdf" else None,
+                    "timestamp": timestamp,
+                    "prompt": prompt,
+                    "prompt_text": prompts[prompt] if prompt is not None and prompt < len(prompts) else None,
+                    "message": message or "",
+                }
+            )
     truncated = len(errors) > cap
     return errors[:cap], truncated
 
@@ -239,7 +260,8 @@ def job_summary(db: Database, job_id: str, *, max_errors: int = MAX_ERRORS) -> d
         full_id = resolve_in_session(session, job_id)
         job = session.execute(select(JOBS).where(JOBS.c.id == full_id)).one()
         results_total, results_failed, prompt_tokens, completion_tokens = _result_totals(session, full_id)
-        errors, truncated = _collect_errors(session, full_id, max_errors)
+        prompts = list((job.spec or {}).get("prompts") or [])
+        errors, truncated = _collect_errors(session, full_id, max_errors, prompts)
         from storage.token_report import token_report  # beside the tables it reads
 
         tokens = token_report(session, full_id)

@@ -24,7 +24,14 @@ from storage.jobs import (
     set_job_status,
     start_job,
 )
-from storage.results import answered_prompts, iter_results, store_results, upsert_results
+from storage.results import (
+    answered_prompts,
+    count_results,
+    iter_results,
+    preview_results,
+    store_results,
+    upsert_results,
+)
 from storage.rows import ResultRow, UnitRow, UnitTask
 from storage.sources import (
     SourceState,
@@ -72,6 +79,7 @@ __all__ = [
     "close_finished",
     "close_job",
     "complete_source",
+    "count_results",
     "create_job",
     "fail_units",
     "find_claim",
@@ -84,6 +92,7 @@ __all__ = [
     "list_jobs",
     "mark_units_encoded",
     "pending_sources",
+    "preview_results",
     "release_claim",
     "reopen_job",
     "resolve_job_id",

@@ -6,7 +6,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from storage.db import Database
@@ -168,3 +168,39 @@ def _stream_results(db: Database, job_id: str, chunk_size: int) -> Iterator[dict
     with db.session(readonly=True) as session:
         for row in session.execute(stmt):
             yield dict(row._mapping)
+
+
+def preview_results(db: Database, job_id: str, per_prompt: int = 3) -> dict[int, list[dict[str, Any]]]:
+    """The first good answers of each prompt (by source uri, then unit), for the end of `visbatch run`:
+    ``{prompt_index: [result record (as iter_results), ...]}``; one small query per prompt."""
+    with db.session(readonly=True) as session:
+        full_id = resolve_in_session(session, job_id)
+        indexes = [
+            int(i)
+            for (i,) in session.execute(
+                select(RESULTS.c.prompt_index)
+                .where(RESULTS.c.job_id == full_id)
+                .group_by(RESULTS.c.prompt_index)
+                .order_by(RESULTS.c.prompt_index)
+            )
+        ]
+        preview: dict[int, list[dict[str, Any]]] = {}
+        for index in indexes:
+            stmt = (
+                select(*_RESULT_COLUMNS)
+                .join_from(RESULTS, UNITS, RESULTS.c.unit_id == UNITS.c.id)
+                .join(SOURCES, UNITS.c.source_id == SOURCES.c.id)
+                .where(
+                    RESULTS.c.job_id == full_id, RESULTS.c.prompt_index == index, RESULTS.c.error.is_(None)
+                )
+                .order_by(SOURCES.c.uri, UNITS.c.unit_index)
+                .limit(per_prompt)
+            )
+            preview[index] = [dict(row._mapping) for row in session.execute(stmt)]
+    return preview
+
+
+def count_results(db: Database, job_id: str) -> int:
+    with db.session(readonly=True) as session:
+        full_id = resolve_in_session(session, job_id)
+        return int(session.execute(select(func.count()).where(RESULTS.c.job_id == full_id)).scalar_one())

@@ -6,13 +6,44 @@ builds its store, cache and database from them (see ``storage.factory``).
 
 from __future__ import annotations
 
+import json
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field, SecretStr
+from pydantic import Field, PrivateAttr, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "Qwen/Qwen2-VL-2B-Instruct"
+# $VISBATCH_HOME/config.json: defaults recorded for this folder (`visbatch model use`).
+HOME_CONFIG = "config.json"
+
+
+def home_config_path(home: Path) -> Path:
+    return home.expanduser().resolve() / HOME_CONFIG
+
+
+def read_home_config(home: Path) -> dict[str, Any]:
+    """The defaults recorded under `home`; {} when there are none (or the file is unreadable)."""
+    try:
+        data = json.loads(home_config_path(home).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_home_config(home: Path, **values: Any) -> Path:
+    """Record defaults under `home` (a value of None removes it); returns the file."""
+    path = home_config_path(home)
+    data = read_home_config(home)
+    for key, value in values.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
 
 
 class Settings(BaseSettings):
@@ -124,6 +155,27 @@ class Settings(BaseSettings):
     unacked_restore_interval: int = Field(10, ge=1, description="Seconds between sweeps for abandoned tasks.")
     task_max_retries: int = Field(5, ge=0, description="Retries of a transient error before a unit fails.")
     encode_chunk_units: int = Field(16, ge=1, description="Units per encode task.")
+
+    # Where `model` came from: "VISBATCH_MODEL" (or a caller), "<home>/config.json", or "default".
+    _model_origin: str = PrivateAttr("default")
+
+    @model_validator(mode="after")
+    def _recorded_model(self) -> Settings:
+        # The environment (or a caller) wins; else the model this folder was told to use (`visbatch
+        # model use`, e.g. by `make run MODEL=tiny`), so a plain `visbatch run` does not reach for
+        # the hub after the tiny model was chosen.
+        if "model" in self.model_fields_set:
+            self._model_origin = "VISBATCH_MODEL"
+            return self
+        recorded = read_home_config(self.home).get("model")
+        if isinstance(recorded, str) and recorded.strip():
+            self.model = recorded
+            self._model_origin = str(home_config_path(self.home))
+        return self
+
+    @property
+    def model_origin(self) -> str:
+        return self._model_origin
 
     @cached_property
     def resolved_home(self) -> Path:

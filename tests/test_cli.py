@@ -116,3 +116,48 @@ def test_model_tiny_of_another_family(tmp_path, spelling):
     assert model_type(str(tmp_path / "m")) == spelling.replace("-", "_")
     bad = _run("model", "tiny", str(tmp_path / "x"), "--family", "llava")
     assert bad.exit_code != 0 and "unknown family" in bad.output
+
+
+def test_results_formats_and_by_document(env, tmp_path):
+    import pyarrow.parquet as pq
+
+    done = _run(
+        "run", str(env / "doc.pdf"), "-p", "What is this?", "-p", "Any table?", "--max-new-tokens", "2"
+    )
+    assert done.exit_code == 0, done.output
+    job = _job_id(done)
+    rows = list(csv.DictReader(io.StringIO(_run("results", job, "--format", "csv").stdout)))
+    assert [(r["page_number"], r["unit_index"], r["prompt_index"], r["prompt"]) for r in rows] == [
+        ("1", "0", "0", "What is this?"),
+        ("1", "0", "1", "Any table?"),
+        ("2", "1", "0", "What is this?"),
+        ("2", "1", "1", "Any table?"),
+    ]
+    refused = _run("results", job, "--format", "parquet")
+    assert refused.exit_code == 2 and "add -o FILE" in refused.output
+    assert _run("results", job, "--format", "xml").exit_code == 2
+    written = _run("results", job, "--format", "parquet", "-o", str(tmp_path / "a.parquet"))
+    assert written.exit_code == 0 and "wrote 4 answer(s)" in written.stderr
+    table = pq.read_table(tmp_path / "a.parquet").to_pylist()
+    assert [(r["page_number"], r["prompt"]) for r in table] == [
+        (1, "What is this?"),
+        (1, "Any table?"),
+        (2, "What is this?"),
+        (2, "Any table?"),
+    ]
+    by_doc = _run("results", job, "--by-document", str(tmp_path / "docs"))
+    assert by_doc.exit_code == 0 and "wrote 1 Markdown file(s)" in by_doc.stderr
+    [markdown] = (tmp_path / "docs").glob("doc.pdf-*.md")
+    text = markdown.read_text()
+    assert text.startswith("# doc.pdf\n") and text.index("## Page 1") < text.index("## Page 2")
+
+
+def test_status_errors_count_pages_from_1_and_name_the_prompt(env):
+    (env / "notes.pdf").write_text("not a pdf at all")
+    done = _run("run", str(env / "notes.pdf"), str(env / "doc.pdf"), "-p", "Hi", "--max-new-tokens", "2")
+    assert done.exit_code == EXIT_PARTIAL
+    status = json.loads(_run("status", _job_id(done), "--json").stdout)
+    [error] = status["errors"]
+    assert error["page_number"] is None and error["prompt_text"] is None and error["kind"] is None
+    table = _run("status", _job_id(done)).stdout
+    assert "notes.pdf: not a PDF, video or image" in table and "reason" not in table

@@ -503,11 +503,15 @@ def test_job_summary_errors_and_counts(db: Database) -> None:
     assert (summary["results"], summary["results_failed"]) == (1, 1)  # live, before close
     assert (summary["cache_hits"], summary["cache_misses"]) == (1, 1)
     assert (summary["visual_tokens"], summary["prompt_tokens"], summary["completion_tokens"]) == (300, 20, 10)
-    assert summary["errors"] == [
+    keys = ("source", "unit", "prompt", "message")
+    assert [{k: e[k] for k in keys} for e in summary["errors"]] == [
         {"source": "file:///broken.pdf", "unit": None, "prompt": None, "message": "not a PDF"},
         {"source": "file:///docs/a.pdf", "unit": 2, "prompt": None, "message": "decode failed"},
         {"source": "file:///docs/a.pdf", "unit": 1, "prompt": 0, "message": "invalid JSON"},
     ]
+    # Where, as a person reads it: PDF pages from 1 (`unit` stays the 0-based index), the prompt's text.
+    kinds = [(e["kind"], e["page_number"], e["prompt_text"]) for e in summary["errors"]]
+    assert kinds == [(None, None, None), ("pdf", 3, None), ("pdf", 2, SPEC["prompts"][0])]
     assert summary["errors_truncated"] is False
 
     repo.finish_units(db, ids)

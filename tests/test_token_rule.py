@@ -139,8 +139,11 @@ def test_an_unreachable_hub_is_said_so_not_taken_for_a_missing_file(monkeypatch)
     import huggingface_hub
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
+    import ingest.token_rules
     from ingest.token_rules import ModelFilesUnavailable, model_file
 
+    # The quick reachability probe passes (as if online): the hub client itself then fails.
+    monkeypatch.setattr(ingest.token_rules, "hub_unreachable_reason", lambda: None)
     calls = []
 
     def offline(repo, name, revision=None, local_files_only=False, **kwargs):

@@ -11,18 +11,23 @@ from ingest.budget import DEFAULT_REDUNDANCY_THRESHOLD, VisualBudget
 Detail = Annotated[
     str | None,
     typer.Option(
+        metavar="LEVEL",
         help="Visual detail: low, medium, high (at most 256/640/1280 tokens per image) or auto "
         "(from the prompts: fine text -> high, coarse questions -> low, else medium). "
-        "Default: the model's own resize bounds."
+        "Default: the model's own resize bounds.",
     ),
 ]
-MinPixels = Annotated[int | None, typer.Option(help="Processor's min pixels per image (overrides --detail).")]
-MaxPixels = Annotated[int | None, typer.Option(help="Processor's max pixels per image (overrides --detail).")]
+MinPixels = Annotated[
+    int | None, typer.Option(metavar="N", help="Processor's min pixels per image (overrides --detail).")
+]
+MaxPixels = Annotated[
+    int | None, typer.Option(metavar="N", help="Processor's max pixels per image (overrides --detail).")
+]
 MaxTokensPerFrame = Annotated[
-    int | None, typer.Option(help="At most this many visual tokens per page, image or frame.")
+    int | None, typer.Option(metavar="N", help="At most N visual tokens per page, image or frame.")
 ]
 MaxTokensPerVideo = Annotated[
-    int | None, typer.Option(help="At most this many visual tokens per video (its frames get smaller).")
+    int | None, typer.Option(metavar="N", help="At most N visual tokens per video (its frames get smaller).")
 ]
 SkipFrames = Annotated[
     bool,
@@ -32,17 +37,23 @@ SkipFrames = Annotated[
     ),
 ]
 RedundancyThreshold = Annotated[
-    float, typer.Option(help="Skip a frame below this mean difference (0-255) of 32x32 RGB thumbnails.")
+    float,
+    typer.Option(
+        metavar="D", help="Skip a frame below this mean difference (0-255) of 32x32 RGB thumbnails."
+    ),
 ]
 PruneKeep = Annotated[
     float,
-    typer.Option(help="transformers engine: keep this share of each image's visual tokens (1 = off)."),
+    typer.Option(
+        metavar="F", help="transformers engine: keep this share of each image's visual tokens (1 = off)."
+    ),
 ]
 MergeKeep = Annotated[
     float,
     typer.Option(
+        metavar="F",
         help="transformers engine: merge the most similar neighbouring visual tokens (averaging) until "
-        "this share of each image's tokens is left (1 = off); before --prune-keep."
+        "this share of each image's tokens is left (1 = off); before --prune-keep.",
     ),
 ]
 

@@ -1,9 +1,15 @@
-"""The `visbatch` command."""
+"""The `visbatch` command.
+
+Only light modules are imported here (typer, rich, the spec): `status`, `results`, `plan` and
+friends start in well under a second and never import torch; the model is loaded by `run`,
+`resume` and `worker` alone, when they need it. Errors are turned into one or two lines with a
+documented exit code by the command group (worker.cli_errors); job options are declared once
+(worker.cli_options); what is printed, and how in a pipe, is worker.cli_output.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
 import logging
 import os
@@ -14,129 +20,48 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
 from rich.table import Table
 
-from ingest.spec import IngestOptions, JobSpec, Sampling
+from ingest.spec import JobSpec
 from storage.settings import Settings
-from worker.budget_options import (
-    Detail,
-    MaxPixels,
-    MaxTokensPerFrame,
-    MaxTokensPerVideo,
-    MergeKeep,
-    MinPixels,
-    PruneKeep,
-    RedundancyThreshold,
-    SkipFrames,
-    token_lines,
-    visual_budget,
+from worker.budget_options import token_lines
+from worker.cli_errors import (
+    DEBUG_META_KEY,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_PARTIAL,
+    EXIT_UNAVAILABLE,
+    MODEL_FIX,
+    UserError,
+    first_line,
 )
+from worker.cli_group import VisbatchGroup
+from worker.cli_inputs import chosen_files
+from worker.cli_options import JobOptions, job_options
+from worker.cli_output import make_console, print_preview, print_summary, progress_display, shown_path
 from worker.review.cli import register as _register_review
 
+# Plain (click) help: rich's boxed help cuts option names at 80 columns ("--max-tokens-pe...").
 app = typer.Typer(
-    help="Run vision-language models over piles of PDFs, videos and images.", no_args_is_help=True
+    cls=VisbatchGroup,
+    help="Run vision-language models over piles of PDFs, videos and images; answers in SQL.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
 )
-model_app = typer.Typer(help="Model helpers.", no_args_is_help=True)
-db_app = typer.Typer(help="Database helpers.", no_args_is_help=True)
+model_app = typer.Typer(help="Choose or build the model.", no_args_is_help=True, rich_markup_mode=None)
+db_app = typer.Typer(help="Database helpers.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(model_app, name="model")
 app.add_typer(db_app, name="db")
 
-console = Console(stderr=True)
-out = Console()
+console = make_console(stderr=True)
+out = make_console(stderr=False)
 
-EXIT_PARTIAL = 1
-EXIT_FAILED = 3
-EXIT_INTERRUPTED = 130
-
-OFFLINE_HINT = (
-    "If the model hub is unreachable, build the tiny offline model and use it:\n"
-    "  visbatch model tiny ./tiny-model && export VISBATCH_MODEL=./tiny-model"
-)
-
-Paths = Annotated[list[Path], typer.Argument(help="Files or folders (walked).", show_default=False)]
-LongestSide = Annotated[int | None, typer.Option(help="PDF render: longest side in px.")]
-Dpi = Annotated[int | None, typer.Option(help="PDF render at this DPI instead of a longest side.")]
-Pages = Annotated[str | None, typer.Option(help="PDF pages, 1-based ranges: '1-3,7'.")]
-Fps = Annotated[float | None, typer.Option(help="Video: frames per second to sample.")]
-NumFrames = Annotated[int | None, typer.Option(help="Video: N frames spread uniformly (instead of --fps).")]
-MaxFrames = Annotated[
-    int,
-    typer.Option(
-        help="Video: at most this many frames per video (64 by default); when --fps would take "
-        "more, this many are spread over the whole video."
-    ),
+Paths = Annotated[
+    list[Path], typer.Argument(metavar="PATH", help="Files or folders (walked).", show_default=False)
 ]
-Keyframes = Annotated[
-    bool,
-    typer.Option(
-        "--keyframes",
-        help="Video: take the keyframe nearest to each sample when samples are sparser than "
-        "keyframes (near-flat cost on long videos; timestamps are the keyframes').",
-    ),
-]
-ModelOpt = Annotated[str | None, typer.Option(help="Hub id or local folder (default: $VISBATCH_MODEL).")]
-
-
-def _ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames, keyframes=False) -> IngestOptions:
-    opts: dict[str, Any] = {
-        "max_frames": max_frames, "pages": pages, "num_frames": num_frames, "keyframes": keyframes,
-    }  # fmt: skip
-    if dpi is not None:
-        opts.update(dpi=dpi, longest_side=None)
-    elif longest_side is not None:
-        opts["longest_side"] = longest_side
-    if fps is not None:
-        opts["fps"] = fps
-    return IngestOptions(**opts)
-
-
-def _budget(*options):
-    """The job's visual-token budget from the CLI options (see worker.budget_options)."""
-    try:
-        return visual_budget(*options)
-    except ValueError as exc:
-        _fail(f"visual-token budget: {exc}")
-        raise  # unreachable
-
-
-def _job_spec(prompts, schema, max_new_tokens, temperature, top_p, seed, ingest, budget=None) -> JobSpec:
-    # The same checks and messages as a drop folder's _spec.json and JobSpec(...) in Python:
-    # JobSpec validates its schema itself (ingest.spec, ingest.schema).
-    from pydantic import ValidationError
-
-    from ingest.spec import SpecError, describe_spec_error, schema_from_json
-
-    json_schema = None
-    if schema is not None:
-        try:
-            json_schema = schema_from_json(schema.read_bytes())
-        except (OSError, SpecError) as exc:
-            _fail(f"--schema {schema}: {exc}")
-    try:
-        return JobSpec(
-            prompts=prompts,
-            json_schema=json_schema,
-            sampling=Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed),
-            ingest=ingest,
-            **({"budget": budget} if budget is not None else {}),
-        )
-    except ValidationError as exc:
-        _fail(f"invalid job spec: {describe_spec_error(exc)}")
-        raise  # unreachable
-    except ValueError as exc:
-        _fail(str(exc))
-        raise  # unreachable
-
-
-def _fail(message: str, code: int = 2) -> None:
-    from rich.markup import escape
-
-    # Escaped: messages quote user input (schemas, keys) whose brackets rich would take for markup.
-    # soft_wrap: one line per message, whatever the terminal's width (logs are grepped).
-    console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
-    raise typer.Exit(code)
+JobId = Annotated[str, typer.Argument(metavar="JOB", help="Job id or a unique prefix (6+ hex digits).")]
 
 
 def _runtime(model: str | None):
@@ -145,29 +70,31 @@ def _runtime(model: str | None):
     return Runtime(Settings(), model=model)
 
 
-def _load_adapter(rt) -> None:
+def _model_origin(rt: Any, explicit: str | None) -> str:
+    if explicit:
+        return "--model"
+    origin = rt.settings.model_origin
+    if origin == "default":
+        return "the built-in default; `visbatch model use` changes it"
+    return origin if origin == "VISBATCH_MODEL" else shown_path(origin)
+
+
+def _prepare_model(rt: Any, explicit: str | None, *, weights: bool = True) -> None:
+    """Say which model the command uses, and fail in seconds, with the fix, when it cannot be
+    had: the token rule (its small JSON files) first, then the weights."""
+    console.print(f"model: {escape(rt.model_name)} (from {escape(_model_origin(rt, explicit))})")
+    # Loading bars of the hub and transformers are noise in a log; the model line says what loads.
+    # (Read when huggingface_hub is imported: before the token rule below imports it.)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    rt.token_rule  # noqa: B018 - ModelFilesUnavailable here is exit 4 with the fix (cli_errors)
+    if not weights:
+        return
     try:
         rt.adapter.visual_tokens(448, 448)
     except Exception as exc:
-        _fail(f"cannot load model {rt.model_name!r}: {exc}\n{OFFLINE_HINT}")
-
-
-class RichProgress:
-    """Progress bars on stderr: sources, then units as each stage gets through them (totals grow)."""
-
-    LABELS = {"sources": "sources", "units": "pages+frames", "encode": "encoded", "generate": "answered"}
-
-    def __init__(self, progress: Progress) -> None:
-        self.progress = progress
-        self.tasks: dict[str, Any] = {}
-
-    def update(self, stage: str, done: int, total: int | None = None) -> None:
-        if stage not in self.tasks:
-            self.tasks[stage] = self.progress.add_task(self.LABELS.get(stage, stage), total=total)
-        self.progress.update(self.tasks[stage], completed=done, total=total)
-
-    def note(self, message: str) -> None:
-        self.progress.console.print(message)
+        raise UserError(
+            f"cannot load model {rt.model_name!r}: {first_line(exc)}", MODEL_FIX, EXIT_UNAVAILABLE
+        ) from exc
 
 
 _SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
@@ -193,26 +120,40 @@ def _stop_on_signals(run: Any) -> Iterator[None]:
             signal.signal(sig, old)
 
 
+def _exit_for(status: str) -> None:
+    if status != "succeeded":
+        raise typer.Exit(EXIT_PARTIAL if status == "partial" else EXIT_FAILED)
+
+
+def _results_hint(job_id: str) -> str:
+    return (
+        f"all answers: visbatch results {job_id}  (--format csv|parquet -o FILE, "
+        f"--by-document DIR; status: visbatch status {job_id})"
+    )
+
+
 MetricsPort = Annotated[
-    int | None, typer.Option(help="Serve Prometheus metrics of this run on this port (off by default).")
+    int | None,
+    typer.Option(metavar="PORT", help="Serve Prometheus metrics of this run on PORT (off by default)."),
 ]
 
 
 def _run_embedded(rt: Any, start: Any, metrics_port: int | None = None) -> None:
-    """Run (or resume) a job in this process with progress bars; print its id on stdout before any
-    work starts, its summary on stderr at the end; exit with the job's status code."""
+    """Run (or resume) a job in this process with progress; print its id on stdout before any
+    work starts, its summary, first answers and the results command on stderr at the end; exit
+    with the job's status code."""
     from storage import repository as repo
     from worker.embedded import EmbeddedRun
 
-    columns = [TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     job: dict[str, str] = {}
 
     def on_job(job_id: str) -> None:
         job["id"] = job_id
         print(job_id, flush=True)  # stdout: a script can always resume or inspect it
+        console.print(f"job {job_id} started")
 
-    with Progress(*columns, console=console) as bars:
-        embedded = EmbeddedRun(rt, RichProgress(bars))
+    with progress_display(console) as progress:
+        embedded = EmbeddedRun(rt, progress)
         if metrics_port is not None:
             from worker import metrics
 
@@ -227,188 +168,107 @@ def _run_embedded(rt: Any, start: Any, metrics_port: int | None = None) -> None:
         with _stop_on_signals(embedded):
             start(embedded, on_job)
     summary = repo.job_summary(rt.db, job["id"])
-    _print_summary(summary)
+    print_summary(console, summary)
     done = embedded.work_done()
     console.print(
         f"this run: {done['split']} pages/frames split, {done['tower_images']} images through the "
-        f"vision tower, {done['answers']} answers generated",
-        soft_wrap=True,
-        highlight=False,
+        f"vision tower, {done['answers']} answers generated"
     )
     if embedded.stop_reason is not None:
         console.print(
-            f"stopped: job {job['id']} cancelled ({embedded.stop_reason}); finished work is kept. "
-            f"Resume with: visbatch resume {job['id']}",
-            soft_wrap=True,  # one line, also in a log file
-            highlight=False,
+            f"stopped: job {job['id']} cancelled ({escape(embedded.stop_reason)}); finished work is kept. "
+            f"Resume with: visbatch resume {job['id']}"
         )
         raise typer.Exit(EXIT_INTERRUPTED)
-    if summary["status"] != "succeeded":
-        raise typer.Exit(EXIT_PARTIAL if summary["status"] == "partial" else EXIT_FAILED)
+    prompts = list(summary["spec"].get("prompts") or [])
+    print_preview(console, job["id"], prompts, repo.preview_results(rt.db, job["id"], per_prompt=3))
+    console.print(_results_hint(job["id"]))
+    _exit_for(summary["status"])
 
 
 @app.command()
-def run(
-    paths: Paths,
-    prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="A question for every page/frame.")],
-    schema: Annotated[
-        Path | None, typer.Option(help="JSON schema file: outputs are constrained to it.")
-    ] = None,
-    model: ModelOpt = None,
-    longest_side: LongestSide = 1288,
-    dpi: Dpi = None,
-    pages: Pages = None,
-    fps: Fps = None,
-    num_frames: NumFrames = None,
-    max_frames: MaxFrames = 64,
-    keyframes: Keyframes = False,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated at most per answer.")] = 256,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option()] = 1.0,
-    seed: Annotated[int, typer.Option()] = 0,
-    detail: Detail = None,
-    min_pixels: MinPixels = None,
-    max_pixels: MaxPixels = None,
-    max_tokens_per_frame: MaxTokensPerFrame = None,
-    max_tokens_per_video: MaxTokensPerVideo = None,
-    skip_redundant_frames: SkipFrames = True,
-    redundancy_threshold: RedundancyThreshold = 3.0,
-    prune_keep: PruneKeep = 1.0,
-    merge_keep: MergeKeep = 1.0,
-    metrics_port: MetricsPort = None,
-) -> None:
-    """Run a job in this process (embedded shape); its id is printed first. Exit 0 only if every unit
-    succeeded."""
-    spec = _job_spec(
-        prompt,
-        schema,
-        max_new_tokens,
-        temperature,
-        top_p,
-        seed,
-        _ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames, keyframes),
-        _budget(
-            detail,
-            min_pixels,
-            max_pixels,
-            max_tokens_per_frame,
-            max_tokens_per_video,
-            skip_redundant_frames,
-            redundancy_threshold,
-            prune_keep,
-            merge_keep,
-        ),  # fmt: skip
-    )
-    rt = _runtime(model)
-    _load_adapter(rt)
-    _run_embedded(rt, lambda embedded, on_job: embedded.run(paths, spec, on_job), metrics_port)
+@job_options()
+def run(paths: Paths, job: JobOptions, metrics_port: MetricsPort = None) -> None:
+    """Run a job in this process (embedded shape). Prints the job id on stdout first; progress,
+    the summary and the first answers go to stderr. Exit 0 when every page/frame was answered,
+    1 partial, 2 bad input, 3 failed, 4 model or database unavailable, 130 interrupted."""
+    spec = job.spec()
+    files = chosen_files(paths, job)
+    rt = _runtime(job.model)
+    _prepare_model(rt, job.model)
+    _run_embedded(rt, lambda embedded, on_job: embedded.run(files, spec, on_job), metrics_port)
 
 
 @app.command()
-def resume(job: str, metrics_port: MetricsPort = None) -> None:
-    """Continue a stopped job (cancelled, interrupted or failed) in place: no page rendered or image
-    encoded twice, only the missing answers generated."""
+def resume(job: JobId, metrics_port: MetricsPort = None) -> None:
+    """Continue a stopped job (cancelled, interrupted, failed or partial) in place: no page
+    rendered or image encoded twice, only the missing answers generated."""
     from storage import repository as repo
 
     rt = _runtime(None)
-    try:
-        full_id = repo.resolve_job_id(rt.db, job)
-    except repo.JobNotFound as exc:
-        _fail(str(exc))
-        raise
+    full_id = repo.resolve_job_id(rt.db, job)
     state = repo.job_state(rt.db, full_id)
     assert state is not None
     if state[0] == "succeeded":
-        _fail(f"job {full_id} succeeded: nothing to resume")
-    rt = _runtime(state[1].get("model"))
-    _load_adapter(rt)
+        raise UserError(
+            f"job {full_id} succeeded: nothing to resume", f"its answers: visbatch results {full_id}"
+        )
+    model = state[1].get("model")
+    rt = _runtime(model)
+    _prepare_model(rt, model)
     _run_embedded(rt, lambda embedded, on_job: embedded.resume(full_id, on_job), metrics_port)
 
 
 @app.command()
+@job_options()
 def submit(
     inputs: Annotated[
-        list[str], typer.Argument(help="Files, folders, s3://bucket/key or s3://bucket/prefix/.")
+        list[str],
+        typer.Argument(
+            metavar="INPUT",
+            help="Files, folders, s3://bucket/key or s3://bucket/prefix/.",
+            show_default=False,
+        ),
     ],
-    prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="A question for every page/frame.")],
-    schema: Annotated[
-        Path | None, typer.Option(help="JSON schema file: outputs are constrained to it.")
-    ] = None,
-    model: ModelOpt = None,
-    longest_side: LongestSide = 1288,
-    dpi: Dpi = None,
-    pages: Pages = None,
-    fps: Fps = None,
-    num_frames: NumFrames = None,
-    max_frames: MaxFrames = 64,
-    keyframes: Keyframes = False,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated at most per answer.")] = 256,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option()] = 1.0,
-    seed: Annotated[int, typer.Option()] = 0,
-    detail: Detail = None,
-    min_pixels: MinPixels = None,
-    max_pixels: MaxPixels = None,
-    max_tokens_per_frame: MaxTokensPerFrame = None,
-    max_tokens_per_video: MaxTokensPerVideo = None,
-    skip_redundant_frames: SkipFrames = True,
-    redundancy_threshold: RedundancyThreshold = 3.0,
-    prune_keep: PruneKeep = 1.0,
-    merge_keep: MergeKeep = 1.0,
+    job: JobOptions,
     wait: Annotated[bool, typer.Option("--wait", help="Show progress until the job ends.")] = False,
 ) -> None:
     """Send a job to the fleet (Celery workers); prints its id. Local files are uploaded to the store."""
     from worker.submit import submit_job
 
-    spec = _job_spec(
-        prompt,
-        schema,
-        max_new_tokens,
-        temperature,
-        top_p,
-        seed,
-        _ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames, keyframes),
-        _budget(
-            detail,
-            min_pixels,
-            max_pixels,
-            max_tokens_per_frame,
-            max_tokens_per_video,
-            skip_redundant_frames,
-            redundancy_threshold,
-            prune_keep,
-            merge_keep,
-        ),  # fmt: skip
-    )
-    rt = _runtime(model)
-    job_id = submit_job(rt, inputs, spec)
-    out.print(job_id)
+    spec = job.spec()
+    local = [Path(item) for item in inputs if not item.startswith("s3://")]
+    files = [str(path) for path in chosen_files(local, job)] if local else []
+    remote = [item for item in inputs if item.startswith("s3://")]
+    rt = _runtime(job.model)
+    job_id = submit_job(rt, files + remote, spec)
+    print(job_id, flush=True)
     if wait:
         _wait(rt, job_id)
+    else:
+        console.print(f"follow it: visbatch status {job_id}; answers: visbatch results {job_id}")
 
 
-def _wait(rt, job_id: str) -> None:
+def _wait(rt: Any, job_id: str) -> None:
+    from storage import repository as repo
     from worker.submit import wait_for_job
 
-    columns = [TextColumn("{task.description:>9}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    with Progress(*columns, console=console) as bars:
-        units = bars.add_task("units", total=None)
-        answers = bars.add_task("answers", total=None)
+    with progress_display(console) as progress:
 
         def show(s: dict) -> None:
             prompts = len(s["spec"]["prompts"])
             done = s["units_total"] - s.get("units_pending", 0)
-            bars.update(units, total=s["units_total"] or None, completed=max(0, done))
-            bars.update(
-                answers,
-                total=(s["units_total"] * prompts) or None,
-                completed=s["results"] + s["results_failed"],
+            progress.update("units", max(0, done), s["units_total"] or None)
+            progress.update(
+                "generate", s["results"] + s["results_failed"], (s["units_total"] * prompts) or None
             )
 
         summary = wait_for_job(rt, job_id, show)
-    _print_summary(summary)
-    if summary["status"] != "succeeded":
-        raise typer.Exit(EXIT_PARTIAL if summary["status"] == "partial" else EXIT_FAILED)
+    print_summary(console, summary)
+    prompts = list(summary["spec"].get("prompts") or [])
+    print_preview(console, job_id, prompts, repo.preview_results(rt.db, job_id, per_prompt=3))
+    console.print(_results_hint(job_id))
+    _exit_for(summary["status"])
 
 
 @app.command()
@@ -438,7 +298,7 @@ def watch(
 
     level = logging.getLevelName(log_level.upper())
     if not isinstance(level, int):
-        _fail(f"--log-level {log_level}: use DEBUG, INFO, WARNING or ERROR")
+        raise UserError(f"--log-level {log_level}: not a level", "use DEBUG, INFO, WARNING or ERROR")
     # A daemon's log is its only voice: the watcher's own lines at INFO by default, whatever the
     # other commands' quieter default (libraries stay at the root level; --verbose wins).
     if logging.getLogger().level != logging.DEBUG:
@@ -448,7 +308,7 @@ def watch(
         try:
             default = spec_from_json(spec_file.read_bytes())
         except (OSError, SpecError) as exc:
-            _fail(f"--spec {spec_file}: {exc}")
+            raise UserError(f"--spec {spec_file}: {exc}") from None
     elif prompt:
         default = JobSpec(prompts=prompt)
     rt = _runtime(None)
@@ -464,29 +324,25 @@ def watch(
             poll_seconds=poll_seconds,
         )
     except ValueError as exc:  # WatcherRefused included: one line, exit 2
-        _fail(str(exc))
-        raise  # unreachable
+        raise UserError(str(exc)) from None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         watcher.run(stop)
     except WatcherRefused as exc:
-        _fail(str(exc))
+        raise UserError(str(exc)) from None
     except KeyboardInterrupt:
         stop.set()
 
 
 @app.command()
-def cancel(job: str) -> None:
+def cancel(job: JobId) -> None:
     """Stop a fleet job's remaining work; what is done stays."""
     from storage import repository as repo
     from worker.submit import cancel_job
 
     rt = _runtime(None)
-    try:
-        job_id = cancel_job(rt, job)
-    except repo.JobNotFound as exc:
-        _fail(str(exc))
+    job_id = cancel_job(rt, job)
     console.print(f"job {job_id}: {repo.job_summary(rt.db, job_id)['status']}")
 
 
@@ -506,7 +362,7 @@ def worker(
     loglevel: Annotated[str, typer.Option()] = "INFO",
     metrics_port: Annotated[
         int | None,
-        typer.Option(help="Serve Prometheus metrics on this port (default: $VISBATCH_METRICS_PORT, 9808)."),
+        typer.Option(metavar="PORT", help="Prometheus metrics port (default: $VISBATCH_METRICS_PORT, 9808)."),
     ] = None,
     metrics: Annotated[bool, typer.Option("--metrics/--no-metrics", help="Serve Prometheus metrics.")] = True,
 ) -> None:
@@ -518,7 +374,10 @@ def worker(
     chosen = [q.strip() for q in queues.split(",") if q.strip()]
     unknown = sorted(set(chosen) - set(QUEUES))
     if unknown or not chosen:
-        _fail(f"unknown queue(s) {unknown}; choose from {', '.join(QUEUES)}")
+        raise UserError(
+            f"--queues {queues}: unknown queue(s) {', '.join(unknown) or '(none)'}",
+            f"choose from {', '.join(QUEUES)}",
+        )
     settings = Settings()
     argv = [
         "worker",
@@ -570,173 +429,128 @@ def _serve_worker_metrics(settings: Settings, port: int | None, *, prefork: bool
 
 
 @app.command()
+@job_options("inputs", "model", "ingest")
 def ingest(
     paths: Paths,
+    job: JobOptions,
     out_dir: Annotated[
-        Path, typer.Option("--out", help="Folder for the images and manifest.jsonl (must be empty or new).")
+        Path, typer.Option("--out", metavar="DIR", help="Folder for the page and frame images.")
     ],
-    model: Annotated[
-        str | None,
-        typer.Option(
-            help="Hub id or local folder: adds visual-token counts (default: $VISBATCH_MODEL if set)."
-        ),
-    ] = None,
-    longest_side: LongestSide = 1288,
-    dpi: Dpi = None,
-    pages: Pages = None,
-    fps: Fps = None,
-    num_frames: NumFrames = None,
-    max_frames: MaxFrames = 64,
-    keyframes: Keyframes = False,
-    processes: Annotated[
-        int | None, typer.Option(min=1, help="Processes rendering a PDF's pages (default: the CPU cores).")
-    ] = None,
     overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace --out if it holds an ingest.")
+        bool, typer.Option("--overwrite", help="Replace --out if it holds a previous ingest.")
     ] = False,
+    processes: Annotated[
+        int | None,
+        typer.Option(min=1, metavar="N", help="Processes rendering a PDF's pages (default: the CPU cores)."),
+    ] = None,
 ) -> None:
-    """Split sources into page and frame images (PNG) and a manifest; no GPU, no model weights.
+    """Split sources into page and frame images (PNG) and a manifest.jsonl: the ingest stage alone.
+    No GPU, no weights; visual-token counts when a model is named (--model or VISBATCH_MODEL).
 
     Exit 0 when every source and unit was written, 1 when some failed, 3 when none was, 2 for a
-    usage error, 130 when interrupted (--out is then left as it was).
-    """
+    usage error, 130 when interrupted (--out is then left as it was)."""
     from worker.ingest_cli import run_ingest
 
-    options = _ingest_options(longest_side, dpi, pages, fps, num_frames, max_frames, keyframes)
-    run_ingest(paths, out_dir, model, options, processes=processes, overwrite=overwrite)
-
-
-def _print_summary(s: dict[str, Any]) -> None:
-    table = Table(title=f"job {s['id']}", show_header=False, min_width=40)
-    for key in (
-        "status",
-        "sources_total",
-        "sources_failed",
-        "units_total",
-        "units_failed",
-        "results",
-        "results_failed",
-        "cache_hits",
-        "cache_misses",
-        "visual_tokens",
-        "prompt_tokens",
-        "completion_tokens",
-    ):
-        table.add_row(key, str(s.get(key)))
-    for key, value in token_lines(s.get("tokens")):
-        table.add_row(key, value)
-    for key, value in timing_lines(s.get("timing")):
-        table.add_row(key, value)
-    console.print(table)
-    for err in s.get("errors", [])[:20]:
-        where = err["source"] + (f" #{err['unit']}" if err.get("unit") is not None else "")
-        console.print(f"  [red]{where}[/]: {err['message']}")
-    if len(s.get("errors", [])) > 20:
-        console.print(f"  ... {len(s['errors']) - 20} more errors (visbatch status {s['id']} --json)")
-
-
-def timing_lines(timing: dict | None) -> list[tuple[str, str]]:
-    """Wall time, time to the first result, each stage's busy time, pages (units) per second."""
-    if not timing or timing.get("wall_seconds") is None:
-        return []
-    busy = timing["busy_seconds"]
-    lines = [("wall time", f"{timing['wall_seconds']:.1f} s")]
-    if timing.get("first_result_seconds") is not None:
-        lines.append(("first result after", f"{timing['first_result_seconds']:.1f} s"))
-    lines.append(("busy", ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in busy.items())))
-    if timing.get("units_per_second"):
-        lines.append(("pages+frames per second", f"{timing['units_per_second']:.2f}"))
-    if timing.get("eta_seconds") is not None:
-        lines.append(("rate, time left", f"{timing['rate_units_per_second']:.2f} pages+frames/s, "
-                      f"about {timing['eta_seconds']:.0f} s at that rate"))  # fmt: skip
-    return lines
-
-
-def _summary_or_exit(job: str) -> tuple[Any, dict[str, Any]]:
-    from storage import repository as repo
-
-    rt = _runtime(None)
-    try:
-        return rt, repo.job_summary(rt.db, job)
-    except repo.JobNotFound as exc:
-        _fail(str(exc))
-        raise  # unreachable; keeps type checkers calm
+    files = chosen_files(paths, job)
+    run_ingest(files, out_dir, job.model, job.ingest(), processes=processes, overwrite=overwrite)
 
 
 @app.command()
 def status(
-    job: str, as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False
+    job: JobId, as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False
 ) -> None:
-    """A job's state, counters and errors."""
-    _, summary = _summary_or_exit(job)
+    """A job's state, counters and every error: the source, the page (from 1) or frame time, and
+    the prompt it concerns."""
+    from storage import repository as repo
+
+    summary = repo.job_summary(_runtime(None).db, job)
     if as_json:
         # Plain print: machine-readable output must not be wrapped or styled.
         print(json.dumps(summary, default=str, indent=2))
     else:
-        _print_summary(summary)
-
-
-RESULT_FIELDS = [
-    "source",
-    "kind",
-    "unit",
-    "timestamp",
-    "prompt_index",
-    "output",
-    "text",
-    "error",
-    "prompt_tokens",
-    "visual_tokens",
-    "completion_tokens",
-    "finish_reason",
-    "model",
-    "engine",
-    "cache_hit",
-    "latency_ms",
-    "pruned_tokens",
-    "merged_tokens",
-]
+        print_summary(out, summary)
 
 
 @app.command()
 def results(
-    job: str,
-    fmt: Annotated[str, typer.Option("--format", help="jsonl or csv.")] = "jsonl",
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="File (default: stdout).")] = None,
+    job: JobId,
+    fmt: Annotated[str, typer.Option("--format", metavar="FORMAT", help="jsonl, csv or parquet.")] = "jsonl",
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", metavar="FILE", help="File (default: stdout; parquet needs one)."),
+    ] = None,
+    by_document: Annotated[
+        Path | None,
+        typer.Option(
+            "--by-document",
+            metavar="DIR",
+            help="One file per source in DIR, pages in order: Markdown (text answers) or JSON "
+            "(schema answers).",
+        ),
+    ] = None,
 ) -> None:
-    """One record per result: source, unit, timestamp, prompt, output, token counts."""
+    """Every answer with its source, page number (from 1) or timestamp, and prompt text; jsonl
+    and csv stream to stdout, parquet needs -o FILE."""
     from storage import repository as repo
+    from worker.results_export import (
+        FORMATS,
+        export_records,
+        write_by_document,
+        write_csv,
+        write_jsonl,
+        write_parquet,
+    )
 
-    if fmt not in ("jsonl", "csv"):
-        _fail("--format must be jsonl or csv")
-    rt, summary = _summary_or_exit(job)
-    with contextlib.ExitStack() as stack:
-        handle = stack.enter_context(open(output, "w", newline="")) if output else sys.stdout
-        writer = csv.DictWriter(handle, RESULT_FIELDS, extrasaction="ignore") if fmt == "csv" else None
-        if writer:
-            writer.writeheader()
-        for record in repo.iter_results(rt.db, summary["id"]):
-            if writer:
-                output_json = None if record["output"] is None else json.dumps(record["output"])
-                writer.writerow(dict(record, output=output_json))
-            else:
-                handle.write(json.dumps({k: record.get(k) for k in RESULT_FIELDS}, default=str) + "\n")
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt}: not a format", f"use {', '.join(FORMATS)}")
+    if fmt == "parquet" and output is None and by_document is None:
+        raise UserError("--format parquet writes a file", "add -o FILE (e.g. -o answers.parquet)")
+    rt = _runtime(None)
+    summary = repo.job_summary(rt.db, job, max_errors=0)
+    prompts = list(summary["spec"].get("prompts") or [])
+    records = export_records(repo.iter_results(rt.db, summary["id"]), prompts)
+    if by_document is not None:
+        as_json = summary["spec"].get("json_schema") is not None
+        written = write_by_document(records, by_document, prompts, as_json=as_json)
+        kind = "JSON" if as_json else "Markdown"
+        console.print(f"wrote {len(written)} {kind} file(s), one per source, to {by_document}")
+        return
+    if fmt == "parquet":
+        assert output is not None
+        count = write_parquet(records, output)
+    else:
+        writer = write_csv if fmt == "csv" else write_jsonl
+        with contextlib.ExitStack() as stack:
+            handle = stack.enter_context(open(output, "w", newline="")) if output else sys.stdout
+            count = writer(records, handle)
+    if output is not None:
+        console.print(f"wrote {count} answer(s) to {output}")
     for key, value in token_lines(summary.get("tokens")):  # stderr: the records stay clean on stdout
         console.print(f"{key}: {value}")
 
 
 @app.command()
-def jobs(limit: Annotated[int, typer.Option(help="How many, newest first.")] = 20) -> None:
-    """Recent jobs."""
+def jobs(limit: Annotated[int, typer.Option(metavar="N", help="How many, newest first.")] = 20) -> None:
+    """Recent jobs: status, when, and how many pages/frames, answers and errors."""
     from storage import repository as repo
 
     rt = _runtime(None)
-    table = Table("status", "created", "units", "failed")
-    table.add_column("id", no_wrap=True)
-    for job in repo.list_jobs(rt.db, limit=limit):
-        created = str(job["created_at"])[:19]
-        units, failed = str(job.get("units_total")), str(job.get("units_failed"))
-        table.add_row(job["status"], created, units, failed, job["id"])
+    # No borders, nothing cut: fits 80 columns with a 12-digit id (any unique prefix works).
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for name in ("id", "status", "created (UTC)", "sources", "pages", "answers", "errors"):
+        table.add_column(
+            name,
+            no_wrap=True,
+            justify="right" if name in ("sources", "pages", "answers", "errors") else "left",
+        )
+    for item in repo.list_jobs(rt.db, limit=limit):
+        created = str(item["created_at"] or "")[:16].replace("T", " ")
+        errors = sum(int(item.get(key) or 0) for key in ("sources_failed", "units_failed", "results_failed"))
+        answers = int(item.get("results_total") or 0) - int(item.get("results_failed") or 0)
+        table.add_row(
+            item["id"][:12], item["status"], created, str(item.get("sources_total") or 0),
+            str(item.get("units_total") or 0), str(answers), str(errors),
+        )  # fmt: skip
     out.print(table)
 
 
@@ -752,22 +566,51 @@ _register_review(app)
 
 @model_app.command("tiny")
 def model_tiny(
-    out_dir: Annotated[Path, typer.Argument(help="Folder to write the model into.")],
+    out_dir: Annotated[Path, typer.Argument(metavar="DIR", help="Folder to write the model into.")],
     seed: Annotated[int, typer.Option()] = 0,
     family: Annotated[
         str, typer.Option(help="qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3-vl-moe or idefics3 (or qwen3_vl, ...).")
     ] = "qwen2_vl",
 ) -> None:
-    """Write a tiny RANDOM model of a supported family that loads offline (for tests and demos; its
-    outputs are meaningless)."""
+    """Write a tiny RANDOM model of a supported family that loads offline (for tests and demos;
+    its answers are meaningless)."""
     from worker.models.tiny import normalize_family, write_tiny_model
 
     try:
         family = normalize_family(family)
     except ValueError as exc:
-        _fail(str(exc))
+        raise UserError(f"--family {family}: {exc}") from None
     write_tiny_model(out_dir, family=family, seed=seed)
     console.print(f"wrote a tiny random {family} to {out_dir} (random weights: outputs are meaningless)")
+    console.print(f"make it this folder's default: visbatch model use {out_dir}")
+
+
+@model_app.command("use")
+def model_use(
+    model: Annotated[
+        str, typer.Argument(metavar="ID|DIR", help="Hub id (Qwen/Qwen2-VL-2B-Instruct) or model folder.")
+    ],
+) -> None:
+    """Make this model the default of the commands run here ($VISBATCH_HOME/config.json);
+    VISBATCH_MODEL and --model still win."""
+    from storage.settings import write_home_config
+    from worker.runtime import resolve_model_name
+
+    folder = Path(model).expanduser()
+    if (folder.exists() or model.startswith((".", "/", "~"))) and not (folder / "config.json").is_file():
+        raise UserError(f"{model}: not a model folder (no config.json)", MODEL_FIX)
+    settings = Settings()
+    path = write_home_config(settings.home, model=resolve_model_name(model))
+    console.print(f"default model: {resolve_model_name(model)} (recorded in {shown_path(str(path))})")
+
+
+@model_app.command("show")
+def model_show() -> None:
+    """The model a command uses here, and where that choice comes from."""
+    settings = Settings()
+    origin = settings.model_origin
+    print(settings.model)
+    console.print(f"from {shown_path(origin) if origin not in ('default', 'VISBATCH_MODEL') else origin}")
 
 
 @db_app.command("upgrade")
@@ -776,12 +619,24 @@ def db_upgrade() -> None:
     from storage.db import Database
 
     db = Database(Settings().sqlalchemy_url())
+    before = db.current_revision()
     db.upgrade()
-    console.print("database is at the latest migration")
+    after = db.current_revision()
+    if before == after:
+        console.print(f"database {db.masked_url}: already at the latest migration ({after})")
+    else:
+        console.print(f"database {db.masked_url}: migrated from {before or 'empty'} to {after} (the latest)")
 
 
 @app.callback()
-def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
+def _main(
+    ctx: typer.Context,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show the traceback of an error (also VISBATCH_DEBUG=1).")
+    ] = False,
+) -> None:
+    ctx.meta[DEBUG_META_KEY] = debug
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )

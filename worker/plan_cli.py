@@ -3,136 +3,86 @@
 from __future__ import annotations
 
 import json
+import math
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from ingest.spec import IngestOptions, JobSpec, Sampling, SpecError, describe_spec_error, schema_from_json
 from storage.settings import Settings
-from worker.budget_options import (
-    Detail,
-    MaxPixels,
-    MaxTokensPerFrame,
-    MaxTokensPerVideo,
-    MergeKeep,
-    MinPixels,
-    PruneKeep,
-    RedundancyThreshold,
-    SkipFrames,
-    visual_budget,
-)
+from worker.cli_errors import UserError
+from worker.cli_options import DEFAULT_PLAN_PROMPT, JobOptions, job_options
+from worker.cli_output import is_terminal
 
 if TYPE_CHECKING:
     from worker.planner import Plan
 
-DEFAULT_PROMPT = "What is on this page or frame? Answer in one sentence."
-console = Console(stderr=True)
-
-
-def _fail(message: str) -> None:
-    from rich.markup import escape
-
-    console.print(f"[bold red]error:[/] {escape(message)}")
-    raise typer.Exit(2)
+THROUGHPUT_HELP = (
+    "use tokens per second ('20000' or '20000tok/s': prefill + decode) or pages per second ('3pages/s')"
+)
 
 
 def _gib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
 
 
+def format_gpu_time(hours: float) -> str:
+    """GPU time in the unit that reads best: 0.3 GPU-seconds, 12.5 GPU-minutes, 3.2 GPU-hours."""
+    if hours * 3600 < 60:
+        return f"{hours * 3600:,.2g} GPU-seconds" if hours * 3600 < 10 else f"{hours * 3600:,.0f} GPU-seconds"
+    if hours < 1:
+        return f"{hours * 60:,.1f} GPU-minutes"
+    return f"{hours:,.1f} GPU-hours"
+
+
+def format_usd(amount: float) -> str:
+    """Dollars with cents, or two significant digits under a cent ($0.00021): never `$0.00`."""
+    if amount == 0 or amount >= 0.01:
+        return f"${amount:,.2f}"
+    decimals = -math.floor(math.log10(amount)) + 1
+    return f"${amount:.{decimals}f}"
+
+
+@job_options(prompt_required=False)
 def plan(
-    paths: Annotated[list[Path], typer.Argument(help="Files or folders (walked).", show_default=False)],
-    prompt: Annotated[
-        list[str] | None,
-        typer.Option("--prompt", "-p", help="The job's prompt(s) (prompt tokens, auto detail)."),
-    ] = None,
-    schema: Annotated[
-        Path | None, typer.Option(help="JSON schema file (its field names feed --detail auto).")
-    ] = None,
-    model: Annotated[
-        str | None, typer.Option(help="Hub id or local folder (default: $VISBATCH_MODEL).")
-    ] = None,
-    longest_side: Annotated[int | None, typer.Option(help="PDF render: longest side in px.")] = 1288,
-    dpi: Annotated[int | None, typer.Option(help="PDF render at this DPI instead.")] = None,
-    pages: Annotated[str | None, typer.Option(help="PDF pages, 1-based ranges: '1-3,7'.")] = None,
-    fps: Annotated[float | None, typer.Option(help="Video: frames per second to sample.")] = None,
-    num_frames: Annotated[int | None, typer.Option(help="Video: N frames spread uniformly.")] = None,
-    max_frames: Annotated[int, typer.Option(help="Video: at most this many frames (64 by default).")] = 64,
-    keyframes: Annotated[
-        bool, typer.Option("--keyframes", help="Video: sparse samples snap to the nearest keyframe.")
-    ] = False,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated at most per answer.")] = 256,
-    detail: Detail = None,
-    min_pixels: MinPixels = None,
-    max_pixels: MaxPixels = None,
-    max_tokens_per_frame: MaxTokensPerFrame = None,
-    max_tokens_per_video: MaxTokensPerVideo = None,
-    skip_redundant_frames: SkipFrames = True,
-    redundancy_threshold: RedundancyThreshold = 3.0,
-    prune_keep: PruneKeep = 1.0,
-    merge_keep: MergeKeep = 1.0,
+    paths: Annotated[
+        list[Path], typer.Argument(metavar="PATH", help="Files or folders (walked).", show_default=False)
+    ],
+    job: JobOptions,
     throughput: Annotated[
         str | None,
-        typer.Option(help="GPU throughput: '20000' or '20000tok/s' (prefill+decode tokens), or '3pages/s'."),
+        typer.Option(metavar="RATE", help="GPU throughput: '20000' or '20000tok/s' (prefill+decode tokens), "
+                     "or '3pages/s'. No default: measure yours."),
     ] = None,
-    gpu_cost_per_hour: Annotated[float | None, typer.Option(help="USD per GPU-hour.")] = None,
+    gpu_cost_per_hour: Annotated[float | None, typer.Option(metavar="USD", help="USD per GPU-hour.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
-) -> None:
-    """Tokens, KV-cache bytes, GPU-hours and cost of a job, from the inputs and the model's config
+) -> None:  # fmt: skip
+    """Tokens, KV-cache bytes, GPU time and cost of a job, from the inputs and the model's config
     and processor only: no GPU, no weights, nothing rendered or decoded (one frame per video)."""
     # Imported here: the survey needs PyMuPDF and PyAV, which other commands should not pay for.
     from ingest.limits import Limits
+    from worker.cli_inputs import chosen_files
     from worker.planner import Throughput, dtype_bytes, load_plan_model, plan_job
 
     settings = Settings()
+    spec = job.spec(default_prompt=DEFAULT_PLAN_PROMPT)
+    rate = None
+    if throughput:
+        try:
+            rate = Throughput.parse(throughput)
+        except ValueError:
+            raise UserError(f"--throughput {throughput}: not a throughput", THROUGHPUT_HELP) from None
+    files = chosen_files(paths, job)
+    model = job.model or settings.model
     try:
-        json_schema = schema_from_json(schema.read_bytes()) if schema is not None else None
-        options: dict = {"max_frames": max_frames, "pages": pages, "num_frames": num_frames}
-        options["keyframes"] = keyframes
-        if dpi is not None:
-            options.update(dpi=dpi, longest_side=None)
-        elif longest_side is not None:
-            options["longest_side"] = longest_side
-        if fps is not None:
-            options["fps"] = fps
-        spec = JobSpec(
-            prompts=prompt or [DEFAULT_PROMPT],
-            json_schema=json_schema,
-            sampling=Sampling(max_new_tokens=max_new_tokens),
-            ingest=IngestOptions(**options),
-            budget=visual_budget(
-                detail,
-                min_pixels,
-                max_pixels,
-                max_tokens_per_frame,
-                max_tokens_per_video,
-                skip_redundant_frames,
-                redundancy_threshold,
-                prune_keep,
-                merge_keep,
-            ),  # fmt: skip
-        )
-        rate = Throughput.parse(throughput) if throughput else None
-    except ValidationError as exc:  # the same words as run, submit and the drop folder
-        _fail(f"invalid job spec: {describe_spec_error(exc)}")
-        return
-    except (OSError, SpecError) as exc:
-        _fail(f"--schema {schema}: {exc}")
-        return
-    except ValueError as exc:
-        _fail(str(exc))
-        return
-    try:
-        plan_model = load_plan_model(model or settings.model, settings.model_revision)
+        plan_model = load_plan_model(model, settings.model_revision)
     except (OSError, ValueError) as exc:
-        _fail(f"cannot read the model's config: {exc}")
-        return
+        raise UserError(f"cannot read the config of model {model!r}: {exc}", code=4) from None
     result = plan_job(
-        paths,
+        files,
         spec,
         plan_model,
         element_bytes=dtype_bytes(settings.dtype),
@@ -147,7 +97,7 @@ def plan(
 
 
 def print_plan(result: Plan) -> None:
-    out = Console()
+    out = Console(soft_wrap=not is_terminal(sys.stdout), highlight=False)
     table = Table("source", "kind", "pages/frames", "visual tokens", "prompt tokens", "KV / request")
     for s in [*result.sources, result.total]:
         name = s.source if s.source == "total" else Path(s.source).name
@@ -170,11 +120,11 @@ def print_plan(result: Plan) -> None:
     )
     if result.gpu_hours is not None and result.throughput is not None:
         rate = f"{result.throughput['value']:g} {result.throughput['unit']}"
-        line = f"at {rate}: {result.gpu_hours:,.4g} GPU-hours"
+        line = f"at {rate}: {format_gpu_time(result.gpu_hours)}"
         if result.cost_usd is not None:
-            line += f", ${result.cost_usd:,.2f}"
+            line += f", {format_usd(result.cost_usd)}"
             if result.cost_per_million_pages_usd is not None:
-                line += f", ${result.cost_per_million_pages_usd:,.0f} per million pages/frames"
+                line += f", {format_usd(result.cost_per_million_pages_usd)} per million pages/frames"
         out.print(line)
     for note in result.notes + [f"{Path(s.source).name}: {n}" for s in result.sources for n in s.notes]:
         out.print(f"note: {note}")

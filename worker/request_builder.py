@@ -112,7 +112,12 @@ class RequestBuilder:
             output, error = validate_output(text, spec.json_schema)
             output = without_nul(output)
             if error and outcome.finish_reason == "length":
-                error += f" (cut off at max_new_tokens={spec.sampling.max_new_tokens})"
+                # Say what to change: a small or confused model can fill any budget with digits
+                # of one number, which only a larger budget or a bounded schema stops.
+                error += (
+                    f" (cut off at max_new_tokens={spec.sampling.max_new_tokens}: raise --max-new-tokens, "
+                    "or bound the schema with maxLength/maxItems)"
+                )
         return ResultRow(
             output=output,
             text=text,

@@ -1,0 +1,35 @@
+"""The input files of a command: paths checked, folders walked and filtered (ingest.inputs), and
+what was left out said once on stderr."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import typer
+
+from worker.cli_errors import UserError
+from worker.cli_options import JobOptions
+
+
+def chosen_files(paths: Sequence[Path], job: JobOptions, *, quiet: bool = False) -> list[Path]:
+    """The files a job takes, in order. A path that does not exist, or no file at all, is a
+    usage error (exit 2) before anything starts: a typo must not become a failed job."""
+    from ingest.inputs import select_inputs  # PyAV comes with it: only commands that take files
+
+    selection = select_inputs(paths, job.include, job.exclude)
+    if selection.missing:
+        names = ", ".join(str(p) for p in selection.missing[:5])
+        raise UserError(f"no such file or folder: {names}", "check the path (folders are walked)")
+    if not selection.files:
+        given = ", ".join(str(p) for p in paths[:5])
+        left = len(selection.skipped) + len(selection.excluded)
+        detail = f"; {left} file(s) left out by the filters or as not documents" if left else ""
+        raise UserError(
+            f"no input files found in {given}{detail}",
+            "give PDFs, videos or images, or folders holding them (--include GLOB picks other files)",
+        )
+    note = selection.describe_skipped()
+    if note and not quiet:
+        typer.echo(note, err=True)
+    return selection.files

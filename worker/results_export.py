@@ -1,0 +1,244 @@
+"""A job's results in the forms people use elsewhere: JSON lines, CSV, Parquet, one file per document.
+
+Every record says where its answer comes from the way a person reads it and the way SQL joins
+it: ``source`` (the file or object), ``kind``, ``page_number`` (PDF pages counted from 1, as a
+reader counts them; empty for videos and images), ``timestamp`` (seconds into a video),
+``unit_index`` and ``prompt_index`` (0-based, the tables' own keys, as in the ``result_rows``
+view), the ``prompt`` text and the answer (``output``: the JSON of a schema job, ``text`` the raw
+text). ``--by-document`` writes one file per source with its pages in order: Markdown for text
+answers, JSON for schema answers (what olmOCR and docling users expect from a document job).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Iterator
+from itertools import groupby
+from pathlib import Path
+from typing import IO, Any
+
+FORMATS = ("jsonl", "csv", "parquet")
+
+# The columns of every export, in order (see the module doc for the bases).
+EXPORT_FIELDS = [
+    "source",
+    "kind",
+    "page_number",
+    "timestamp",
+    "unit_index",
+    "prompt_index",
+    "prompt",
+    "output",
+    "text",
+    "error",
+    "finish_reason",
+    "prompt_tokens",
+    "visual_tokens",
+    "completion_tokens",
+    "pruned_tokens",
+    "merged_tokens",
+    "model",
+    "engine",
+    "cache_hit",
+    "latency_ms",
+]
+
+
+def page_number(kind: str | None, unit_index: int | None) -> int | None:
+    """1-based page of a PDF; None for a video frame or an image (they have a timestamp or none)."""
+    return unit_index + 1 if kind == "pdf" and unit_index is not None else None
+
+
+def format_timestamp(seconds: float) -> str:
+    minutes, secs = divmod(seconds, 60)
+    hours, minutes = divmod(int(minutes), 60)
+    return f"{hours}:{minutes:02d}:{secs:04.1f}" if hours else f"{minutes}:{secs:04.1f}"
+
+
+def place(kind: str | None, unit_index: int | None, timestamp: float | None) -> str:
+    """Where in a source, as a person says it: 'page 3', 'frame at 0:12.0', 'image'."""
+    if unit_index is None:
+        return ""
+    if kind == "pdf":
+        return f"page {unit_index + 1}"
+    if kind == "video":
+        return (
+            f"frame at {format_timestamp(timestamp)}" if timestamp is not None else f"frame {unit_index + 1}"
+        )
+    return "image" if kind == "image" else f"unit {unit_index + 1}"
+
+
+def export_record(result: dict[str, Any], prompts: list[str]) -> dict[str, Any]:
+    """A row of storage.results.iter_results as an export record (EXPORT_FIELDS)."""
+    index = result["prompt_index"]
+    return {
+        "source": result["source"],
+        "kind": result["kind"],
+        "page_number": page_number(result["kind"], result["unit"]),
+        "timestamp": result["timestamp"],
+        "unit_index": result["unit"],
+        "prompt_index": index,
+        "prompt": prompts[index] if 0 <= index < len(prompts) else None,
+        **{key: result.get(key) for key in EXPORT_FIELDS[7:]},
+    }
+
+
+def write_jsonl(records: Iterable[dict[str, Any]], handle: IO[str]) -> int:
+    count = 0
+    for record in records:
+        handle.write(json.dumps(record, default=str, ensure_ascii=False) + "\n")
+        count += 1
+    return count
+
+
+def write_csv(records: Iterable[dict[str, Any]], handle: IO[str]) -> int:
+    """One row per record; `output` as its JSON text (a cell holds one value)."""
+    writer = csv.DictWriter(handle, EXPORT_FIELDS, extrasaction="ignore")
+    writer.writeheader()
+    count = 0
+    for record in records:
+        output = record["output"]
+        writer.writerow(
+            dict(record, output=None if output is None else json.dumps(output, ensure_ascii=False))
+        )
+        count += 1
+    return count
+
+
+def parquet_schema() -> Any:
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("source", pa.string()),
+            ("kind", pa.string()),
+            ("page_number", pa.int32()),
+            ("timestamp", pa.float64()),
+            ("unit_index", pa.int32()),
+            ("prompt_index", pa.int32()),
+            ("prompt", pa.string()),
+            ("output", pa.string()),  # the JSON text: any shape a schema allows, in one column
+            ("text", pa.string()),
+            ("error", pa.string()),
+            ("finish_reason", pa.string()),
+            ("prompt_tokens", pa.int64()),
+            ("visual_tokens", pa.int64()),
+            ("completion_tokens", pa.int64()),
+            ("pruned_tokens", pa.int64()),
+            ("merged_tokens", pa.int64()),
+            ("model", pa.string()),
+            ("engine", pa.string()),
+            ("cache_hit", pa.bool_()),
+            ("latency_ms", pa.float64()),
+        ]
+    )
+
+
+def write_parquet(records: Iterable[dict[str, Any]], path: Path, batch_rows: int = 10_000) -> int:
+    """Streamed in row groups of `batch_rows`: memory stays flat for a million results."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as exc:  # pragma: no cover - pyarrow is a dependency
+        raise RuntimeError("--format parquet needs pyarrow (pip install pyarrow)") from exc
+
+    schema = parquet_schema()
+    count = 0
+    with pq.ParquetWriter(path, schema) as writer:
+        batch: list[dict[str, Any]] = []
+        for record in records:
+            output = record["output"]
+            batch.append(
+                dict(record, output=None if output is None else json.dumps(output, ensure_ascii=False))
+            )
+            if len(batch) >= batch_rows:
+                writer.write_table(pa.Table.from_pylist(batch, schema=schema))
+                count += len(batch)
+                batch = []
+        if batch or count == 0:
+            writer.write_table(pa.Table.from_pylist(batch, schema=schema))
+            count += len(batch)
+    return count
+
+
+# --- one file per document ----------------------------------------------------------------------
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def document_file_name(source: str, suffix: str) -> str:
+    """A safe file name per source: its name, and a short hash of the whole uri (two `scan.pdf`
+    from two folders must not overwrite each other)."""
+    name = source.rstrip("/").rsplit("/", 1)[-1]
+    safe = _UNSAFE.sub("_", name).strip("._")[:80] or "source"
+    return f"{safe}-{hashlib.sha256(source.encode()).hexdigest()[:8]}{suffix}"
+
+
+def _markdown(source: str, records: list[dict[str, Any]], prompts: list[str]) -> str:
+    lines = [f"# {source.rsplit('/', 1)[-1]}", "", f"Source: `{source}`", ""]
+    several = len(prompts) > 1
+    for unit_index, answers in groupby(records, key=lambda r: r["unit_index"]):
+        answers = list(answers)
+        first = answers[0]
+        lines += [f"## {place(first['kind'], unit_index, first['timestamp']).capitalize()}", ""]
+        for record in answers:
+            if several:
+                lines += [f"**{record['prompt']}**", ""]
+            if record["error"]:
+                lines += [f"*error: {record['error']}*", ""]
+            else:
+                lines += [(record["text"] or "").strip() or "*(empty answer)*", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _document_json(source: str, records: list[dict[str, Any]], prompts: list[str]) -> dict[str, Any]:
+    pages = []
+    for unit_index, answers in groupby(records, key=lambda r: r["unit_index"]):
+        answers = list(answers)
+        first = answers[0]
+        pages.append(
+            {
+                "unit_index": unit_index,
+                "page_number": first["page_number"],
+                "timestamp": first["timestamp"],
+                "answers": [
+                    {
+                        "prompt_index": r["prompt_index"],
+                        "prompt": r["prompt"],
+                        "output": r["output"],
+                        "error": r["error"],
+                    }
+                    for r in answers
+                ],
+            }
+        )
+    kind = records[0]["kind"] if records else None
+    return {"source": source, "kind": kind, "prompts": prompts, "pages": pages}
+
+
+def write_by_document(
+    records: Iterable[dict[str, Any]], out_dir: Path, prompts: list[str], *, as_json: bool
+) -> list[Path]:
+    """One file per source under `out_dir`, pages in order (records come ordered by source,
+    unit, prompt: storage.results.iter_results); returns the files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for source, group in groupby(records, key=lambda r: r["source"]):
+        items = list(group)
+        if as_json:
+            path = out_dir / document_file_name(source, ".json")
+            document = _document_json(source, items, prompts)
+            path.write_text(json.dumps(document, indent=2, ensure_ascii=False, default=str) + "\n")
+        else:
+            path = out_dir / document_file_name(source, ".md")
+            path.write_text(_markdown(source, items, prompts))
+        written.append(path)
+    return written
+
+
+def export_records(results: Iterable[dict[str, Any]], prompts: list[str]) -> Iterator[dict[str, Any]]:
+    for result in results:
+        yield export_record(result, prompts)
