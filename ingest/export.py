@@ -65,6 +65,29 @@ def check_output_folder(out_dir: Path, overwrite: bool) -> None:
             f"--out {out_dir} is not empty and holds no {MANIFEST}: not a visbatch ingest output, "
             "so --overwrite will not delete it; choose another folder"
         )
+    # OUT is replaced whole: it may hold nothing a previous ingest did not write.
+    ours = {MANIFEST} | _manifest_folders(out_dir)
+    strays = sorted(entry.name for entry in out_dir.iterdir() if entry.name not in ours)
+    if strays:
+        shown = ", ".join(strays[:3]) + (f" and {len(strays) - 3} more" if len(strays) > 3 else "")
+        raise OutputFolderError(
+            f"--out {out_dir} holds {shown}, which no ingest wrote: --overwrite would delete it; "
+            "move it away or choose another folder"
+        )
+
+
+def _manifest_folders(out_dir: Path) -> set[str]:
+    """Names of the per-source folders the manifest in `out_dir` lists files in."""
+    folders: set[str] = set()
+    with open(out_dir / MANIFEST) as manifest:
+        for line in manifest:
+            try:
+                file = json.loads(line).get("file")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(file, str) and "/" in file:
+                folders.add(file.split("/", 1)[0])
+    return folders
 
 
 def export_sources(
