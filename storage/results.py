@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from storage.db import Database
-from storage.models import utcnow
+from storage.models import FINISHED_JOB_STATUSES, utcnow
 from storage.rows import ResultRow
 from storage.sql import JOBS, RESULTS, SOURCES, UNITS, chunks, dialect_insert, now_param, resolve_in_session
 from storage.units import finish_units_in
@@ -96,16 +97,48 @@ def upsert_results(db: Database, job_id: str, rows: Sequence[ResultRow]) -> int:
     return len({(row.unit_id, row.prompt_index) for row in rows})
 
 
+@dataclass(frozen=True)
+class StoredResults:
+    remaining: dict[str, int]  # job -> units left, for the jobs moved (finish_units)
+    refused: set[str]  # jobs found finished (a cancel above all): nothing of theirs was stored
+
+
 def store_results(
-    db: Database, rows: Sequence[tuple[str, ResultRow]], finished_units: Sequence[int] = ()
-) -> dict[str, int]:
-    """Upsert (job_id, result) pairs and mark `finished_units` done, in one transaction, so a crash
-    never leaves a unit done without its results. Returns ``{job_id: units left}`` (finish_units)."""
+    db: Database,
+    rows: Sequence[tuple[str, ResultRow]],
+    finished_units: Sequence[tuple[str, int]] = (),
+) -> StoredResults:
+    """Upsert (job_id, result) pairs and mark `finished_units` ((job_id, unit_id) pairs) done, in
+    one transaction, so a crash never leaves a unit done without its results.
+
+    The jobs' states are read first, in the same transaction: once `visbatch cancel` (or anything
+    that finishes a job) has committed, no result of that job is stored, whatever the engine had
+    already answered. On SQLite the writer holds the file's write lock from BEGIN, so this is exact;
+    on PostgreSQL (read committed, no row lock: taking one here would deadlock two flushes that
+    both later update the same job row) a cancel that commits during this very transaction is
+    seen by the next one.
+    """
     with db.session() as session:
-        jobs = _upsert(db, session, rows)
-        remaining = finish_units_in(session, finished_units)
+        refused = _finished_jobs(session, {job_id for job_id, _ in rows} | {j for j, _ in finished_units})
+        jobs = _upsert(db, session, [(job_id, row) for job_id, row in rows if job_id not in refused])
+        remaining = finish_units_in(session, [u for job_id, u in finished_units if job_id not in refused])
         _stamp_first_result(session, jobs)
-    return remaining
+    return StoredResults(remaining, refused)
+
+
+_FINISHED = sorted(status.value for status in FINISHED_JOB_STATUSES)
+
+
+def _finished_jobs(session: Session, job_ids: set[str]) -> set[str]:
+    """The jobs among `job_ids` that are finished or gone."""
+    if not job_ids:
+        return set()
+    ids = sorted(job_ids)
+    live: set[str] = set()
+    for chunk in chunks(ids):
+        stmt = select(JOBS.c.id).where(JOBS.c.id.in_(chunk), JOBS.c.status.not_in(_FINISHED))
+        live.update(session.execute(stmt).scalars())
+    return set(ids) - live
 
 
 def answered_prompts(db: Database, unit_ids: Sequence[int]) -> dict[int, set[int]]:

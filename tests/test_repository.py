@@ -373,6 +373,22 @@ def test_upsert_results_twice_updates_never_duplicates(db: Database) -> None:
     assert repo.upsert_results(db, job_id, []) == 0
 
 
+def test_store_results_refuses_a_cancelled_job(db: Database) -> None:
+    """After `visbatch cancel` commits, nothing of that job is stored, even answers the engine had
+    already given (the generate loop polls only once a second); other jobs of the flush are."""
+    live, _, live_units = job_with_units(db, 2)
+    cancelled, _, cancelled_units = job_with_units(db, 2, uri="file:///docs/b.pdf")
+    repo.set_job_status(db, cancelled, "cancelled", error="cancelled by the user")
+    rows = [(live, result(u)) for u in live_units] + [(cancelled, result(u)) for u in cancelled_units]
+    units = [(live, u) for u in live_units] + [(cancelled, u) for u in cancelled_units]
+    stored = repo.store_results(db, rows, units)
+    assert stored.refused == {cancelled}
+    assert stored.remaining == {live: 0}
+    assert count_rows(db, Result, live) == 2 and count_rows(db, Result, cancelled) == 0
+    assert repo.units_in_state(db, cancelled, UnitStatus.PENDING)  # untouched: a resume does them
+    assert counters(db, cancelled)["first_result_at"] is None
+
+
 def test_upsert_results_keeps_last_of_repeated_keys(db: Database) -> None:
     job_id, _, ids = job_with_units(db, 1)
     repo.upsert_results(db, job_id, [result(ids[0], 0, text="a"), result(ids[0], 0, text="b")])

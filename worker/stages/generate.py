@@ -10,8 +10,9 @@ A unit's results are stored, and the unit marked done, in one transaction (stora
 writes are grouped (every FLUSH_UNITS units or FLUSH_SECONDS), never per request.
 
 Every POLL_SECONDS the jobs in flight are looked up: a job cancelled (`visbatch cancel`, or
-finished for any reason) has its requests aborted in the engine at once, mid-batch included, and
-nothing more of it is stored.
+finished for any reason) has its requests aborted in the engine at once, mid-batch included.
+Nothing of a finished job is stored after that: the storing transaction reads the jobs' states
+first (storage.results.store_results), so answers the engine gave between two polls are dropped.
 
 `GenerateService` runs a loop in its own thread behind a thread-safe inbox: the embedded run's
 encode thread and a fleet worker's task threads submit units and wait (a Future) until their
@@ -231,12 +232,14 @@ class GenerateLoop:
         self._flushed_at = time.monotonic()
         if answered:
             rows = [(w.unit.job_id, row) for w in answered for row in w.rows]
+            units = [(w.unit.job_id, w.unit.unit_id) for w in answered]
             try:
-                remaining = self.rt.retry.call(
-                    lambda: repo.store_results(self.rt.db, rows, [w.unit.unit_id for w in answered]),
-                    what="storing results",
+                stored = self.rt.retry.call(
+                    lambda: repo.store_results(self.rt.db, rows, units), what="storing results"
                 )
-                self.rt.retry.call(lambda: repo.close_finished(self.rt.db, remaining), what="closing jobs")
+                self.rt.retry.call(
+                    lambda: repo.close_finished(self.rt.db, stored.remaining), what="closing jobs"
+                )
             except Exception as exc:
                 # The database stayed away through every retry: these units stay encoded, and
                 # their submitters hear why (a fleet task retries them; the embedded run stops).
@@ -245,11 +248,14 @@ class GenerateLoop:
                     for ticket in work.tickets:
                         ticket.fail(exc)
             else:
-                self.results_stored += len(rows)
-                _count(rows, len(answered))
+                kept = [w for w in answered if w.unit.job_id not in stored.refused]
+                self.results_stored += sum(len(w.rows) for w in kept)
+                _count([(w.unit.job_id, row) for w in kept for row in w.rows], len(kept))
                 for work in answered:
                     for ticket in work.tickets:
-                        ticket.settle(stored=True)
+                        ticket.settle(stored=work.unit.job_id not in stored.refused)
+                if stored.refused:  # stopped since the last poll: the rest of their work goes now
+                    self._stop_jobs(stored.refused)
         busy, self._busy = self._busy, defaultdict(float)
         try:
             for job_id, seconds in busy.items():
@@ -272,10 +278,14 @@ class GenerateLoop:
             log.warning("could not look up the jobs in flight: %s", describe(exc))
             return
         if stopped:
-            self._stopped |= stopped
-            self.drop_jobs(stopped)
-            if self.on_jobs_stopped is not None:
-                self.on_jobs_stopped(stopped)
+            self._stop_jobs(stopped)
+
+    def _stop_jobs(self, stopped: set[str]) -> None:
+        """These jobs are finished (cancelled, most often): refuse and drop their work from now on."""
+        self._stopped |= stopped
+        self.drop_jobs(stopped)
+        if self.on_jobs_stopped is not None:
+            self.on_jobs_stopped(stopped)
 
     def drop_jobs(self, job_ids: set[str], error: BaseException | None = None) -> int:
         """Abort these jobs' requests in the engine and forget their units; returns units dropped.
