@@ -30,6 +30,7 @@ from storage.db import Database
 from storage.review import (
     Answer,
     JobInfo,
+    UnitPair,
     iter_unit_pairs,
     job_sources,
     load_job,
@@ -106,18 +107,10 @@ class DiffAnswer:
     fields: list[str]  # the JSON leaf paths that differ
 
 
-@dataclass
-class DiffPage:
-    uri: str
-    kind: str | None
-    unit_index: int
-    timestamp: float | None
-    unit_a: int
-    unit_b: int
-    status_a: str
-    status_b: str
-    image_a: str | None
-    image_b: str | None
+@dataclass(frozen=True)
+class DiffPage(UnitPair):
+    """A page or frame of both jobs whose answers differ, with the answers that do."""
+
     answers: list[DiffAnswer] = field(default_factory=list)
 
 
@@ -266,21 +259,7 @@ def compare_jobs(db: Database, job_a: str, job_b: str, *, page_limit: int = DEFA
             continue
         differing += 1
         if len(pages) < page_limit:
-            pages.append(
-                DiffPage(
-                    uri=row.uri,
-                    kind=row.kind,
-                    unit_index=row.unit_index,
-                    timestamp=row.timestamp,
-                    unit_a=row.unit_a,
-                    unit_b=row.unit_b,
-                    status_a=row.status_a,
-                    status_b=row.status_b,
-                    image_a=row.image_a,
-                    image_b=row.image_b,
-                    answers=diffs,
-                )
-            )
+            pages.append(DiffPage(**asdict(row), answers=diffs))
     if units_shared == 0:
         raise CompareError(
             f"the jobs share {sources_shared} source(s) but no page or frame (same uri and index): "
