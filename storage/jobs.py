@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -28,6 +28,7 @@ from storage.sql import (
     UNITS,
     JobNotFound,
     bump,
+    chunks,
     iso,
     job_status_value,
     now_param,
@@ -409,12 +410,19 @@ def job_state(db: Database, job_id: str) -> tuple[str, dict[str, Any]] | None:
 
 def finished_among(db: Database, job_ids: Sequence[str]) -> set[str]:
     """The jobs among `job_ids` that are finished (cancelled above all) or gone: their work stops."""
-    ids = sorted(set(job_ids))
-    if not ids:
+    if not job_ids:
         return set()
     with db.session(readonly=True) as session:
-        rows = session.execute(select(JOBS.c.id, JOBS.c.status).where(JOBS.c.id.in_(ids))).all()
-    live = {row.id for row in rows if row.status not in FINISHED_JOB_STATUSES}
+        return finished_among_in(session, job_ids)
+
+
+def finished_among_in(session: Session, job_ids: Iterable[str]) -> set[str]:
+    """finished_among inside the caller's transaction (storage.results reads it before storing)."""
+    ids = sorted(set(job_ids))
+    live: set[str] = set()
+    for chunk in chunks(ids):
+        rows = session.execute(select(JOBS.c.id, JOBS.c.status).where(JOBS.c.id.in_(chunk))).all()
+        live.update(row.id for row in rows if row.status not in FINISHED_JOB_STATUSES)
     return set(ids) - live
 
 

@@ -11,7 +11,8 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from storage.db import Database
-from storage.models import FINISHED_JOB_STATUSES, utcnow
+from storage.jobs import finished_among_in
+from storage.models import utcnow
 from storage.rows import ResultRow
 from storage.sql import JOBS, RESULTS, SOURCES, UNITS, chunks, dialect_insert, now_param, resolve_in_session
 from storage.units import finish_units_in
@@ -119,26 +120,11 @@ def store_results(
     seen by the next one.
     """
     with db.session() as session:
-        refused = _finished_jobs(session, {job_id for job_id, _ in rows} | {j for j, _ in finished_units})
+        refused = finished_among_in(session, [job_id for job_id, _ in [*rows, *finished_units]])
         jobs = _upsert(db, session, [(job_id, row) for job_id, row in rows if job_id not in refused])
         remaining = finish_units_in(session, [u for job_id, u in finished_units if job_id not in refused])
         _stamp_first_result(session, jobs)
     return StoredResults(remaining, refused)
-
-
-_FINISHED = sorted(status.value for status in FINISHED_JOB_STATUSES)
-
-
-def _finished_jobs(session: Session, job_ids: set[str]) -> set[str]:
-    """The jobs among `job_ids` that are finished or gone."""
-    if not job_ids:
-        return set()
-    ids = sorted(job_ids)
-    live: set[str] = set()
-    for chunk in chunks(ids):
-        stmt = select(JOBS.c.id).where(JOBS.c.id.in_(chunk), JOBS.c.status.not_in(_FINISHED))
-        live.update(session.execute(stmt).scalars())
-    return set(ids) - live
 
 
 def answered_prompts(db: Database, unit_ids: Sequence[int]) -> dict[int, set[int]]:
