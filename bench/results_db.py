@@ -21,12 +21,12 @@ from contextlib import contextmanager
 
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, registry
 
 from bench.common import Check, arguments, bars, interleaved, median, rounded, write_result
 from storage import repository as repo
 from storage.db import Database
-from storage.models import Result
+from storage.models import RESULTS
 
 POSTGRES_URL = os.environ.get(
     "VISBATCH_BENCH_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -92,6 +92,18 @@ def result_rows(unit_ids: list[int], first_prompt: int) -> list[repo.ResultRow]:
         for u in unit_ids
         for p in range(PROMPTS)
     ]
+
+
+class Result:
+    """The baseline's ORM class: visbatch itself has none (it writes Core statements), so it is
+    mapped here, onto the same table."""
+
+    def __init__(self, **values: object) -> None:
+        for name, value in values.items():
+            setattr(self, name, value)
+
+
+registry().map_imperatively(Result, RESULTS)
 
 
 def orm_insert(db: Database, job: str, rows: list[repo.ResultRow], commit_every: int) -> None:

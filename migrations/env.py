@@ -14,10 +14,10 @@ from typing import Any
 from alembic import context
 from sqlalchemy import Connection
 
-from storage.models import Base, UTCDateTime, include_object_for
+from storage.models import JSONDocument, UTCDateTime, include_object_for, schema_metadata
 
 config = context.config
-target_metadata = Base.metadata
+target_metadata = schema_metadata()
 
 if config.config_file_name is not None and config.get_main_option("configure_logging", "true") == "true":
     fileConfig(config.config_file_name, disable_existing_loggers=False)
@@ -33,9 +33,12 @@ def _url() -> str:
 
 
 def _render_item(type_: str, obj: Any, autogen_context: Any) -> str | bool:
-    # Migrations must not import the app: render our UTC wrapper as the plain type it stores as.
+    # Migrations must not import the app: render our wrappers as the plain types they store as.
     if type_ == "type" and isinstance(obj, UTCDateTime):
         return "sa.DateTime(timezone=True)"
+    if type_ == "type" and isinstance(obj, JSONDocument):
+        autogen_context.imports.add("from sqlalchemy.dialects import postgresql")
+        return 'sa.JSON(none_as_null=True).with_variant(postgresql.JSONB(none_as_null=True), "postgresql")'
     return False
 
 

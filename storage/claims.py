@@ -8,8 +8,8 @@ from typing import Any
 from sqlalchemy import delete, select, update
 
 from storage.db import Database
-from storage.models import ClaimStatus, utcnow
-from storage.sql import DROP_CLAIMS, NotFound, dialect_insert
+from storage.models import DROP_CLAIMS, ClaimStatus, utcnow
+from storage.sql import NotFound, dialect_insert
 
 
 @dataclass(frozen=True, slots=True)

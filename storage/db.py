@@ -12,9 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +47,11 @@ def mask_url(url: str | URL) -> str:
 
 
 class Database:
-    """Engine + session factory for one database URL."""
+    """The engine of one database URL, and its transactions.
+
+    A transaction is a Core ``Connection`` inside BEGIN ... COMMIT: every storage module speaks
+    Core SQL (no ORM, whose import alone costs a read-only command a tenth of a second).
+    """
 
     def __init__(self, url: str, *, echo: bool = False) -> None:
         self.url: URL = make_url(url)
@@ -63,10 +66,7 @@ class Database:
         self.engine: Engine = create_engine(self.url, **engine_kwargs)
         if self.is_sqlite:
             _install_sqlite_hooks(self.engine)
-        self._reader = sessionmaker(self.engine, expire_on_commit=False)
-        self._writer = sessionmaker(
-            self.engine.execution_options(**{_WRITE_OPTION: True}), expire_on_commit=False
-        )
+        self._writer = self.engine.execution_options(**{_WRITE_OPTION: True})
         log.debug("database %s", self.masked_url)
 
     @property
@@ -83,23 +83,17 @@ class Database:
         Path(database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
 
     @contextmanager
-    def session(self, *, readonly: bool = False) -> Iterator[Session]:
+    def session(self, *, readonly: bool = False) -> Iterator[Connection]:
         """One transaction: commit on success, roll back on any error (or an abandoned generator).
 
         ``readonly=True`` is a hint for SQLite: a writer takes the file's write lock at BEGIN
         (``BEGIN IMMEDIATE``) so that a read-then-write transaction can never fail half-way with
         "database is locked"; a reader does not, so long reads never block the pipeline.
         """
-        factory = self._reader if readonly else self._writer
-        session = factory()
-        try:
-            yield session
-            session.commit()
-        except BaseException:
-            session.rollback()
-            raise
-        finally:
-            session.close()
+        engine = self.engine if readonly else self._writer
+        # begin(): COMMIT when the block ends, ROLLBACK on any exception (GeneratorExit included).
+        with engine.begin() as connection:
+            yield connection
 
     def upgrade(self, revision: str = "head") -> None:
         """Run Alembic migrations up to ``revision`` on this database."""

@@ -7,12 +7,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, case, false, func, null, select, true, update
-from sqlalchemy.orm import Session
+from sqlalchemy import Connection, Select, case, false, func, null, select, true, update
 
 from storage.db import Database
 from storage.models import (
     FINISHED_JOB_STATUSES,
+    JOBS,
+    RESULTS,
+    SOURCES,
+    UNITS,
     JobStatus,
     SourceStatus,
     UnitStatus,
@@ -20,12 +23,8 @@ from storage.models import (
     utcnow,
 )
 from storage.sql import (
-    JOBS,
     MAX_ERRORS,
-    RESULTS,
-    SOURCES,
     UNFINISHED_UNITS,
-    UNITS,
     JobNotFound,
     bump,
     chunks,
@@ -78,7 +77,7 @@ class _Tally:
     completion_tokens: int
 
 
-def _tally(session: Session, job_id: str) -> _Tally:
+def _tally(session: Connection, job_id: str) -> _Tally:
     """Everything close_job needs, counted from the rows (three aggregate queries)."""
     sources_stmt = (
         select(SOURCES.c.status, func.count()).where(SOURCES.c.job_id == job_id).group_by(SOURCES.c.status)
@@ -106,7 +105,7 @@ def _tally(session: Session, job_id: str) -> _Tally:
     return _Tally(sources, units, tokens, hits, misses, total, failed, prompt, completion)
 
 
-def _result_totals(session: Session, job_id: str) -> tuple[int, int, int, int]:
+def _result_totals(session: Connection, job_id: str) -> tuple[int, int, int, int]:
     """(results, of which failed, prompt tokens, completion tokens) of a job."""
     stmt = select(
         func.count(),
@@ -225,7 +224,7 @@ def _errors_select(job_id: str) -> list[Select[Any]]:
 
 
 def _collect_errors(
-    session: Session, job_id: str, cap: int, prompts: Sequence[str]
+    session: Connection, job_id: str, cap: int, prompts: Sequence[str]
 ) -> tuple[list[dict[str, Any]], bool]:
     """Errors with where they happened: ``unit`` and ``prompt`` are 0-based indexes (as in the
     tables), ``page_number`` is 1-based (PDFs, as people count), ``prompt_text`` the question."""
@@ -416,7 +415,7 @@ def finished_among(db: Database, job_ids: Sequence[str]) -> set[str]:
         return finished_among_in(session, job_ids)
 
 
-def finished_among_in(session: Session, job_ids: Iterable[str]) -> set[str]:
+def finished_among_in(session: Connection, job_ids: Iterable[str]) -> set[str]:
     """finished_among inside the caller's transaction (storage.results reads it before storing)."""
     ids = sorted(set(job_ids))
     live: set[str] = set()

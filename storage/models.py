@@ -3,6 +3,9 @@
 One schema for SQLite (embedded) and PostgreSQL (fleet); ``migrations/`` creates exactly this
 (``tests/test_migrations.py`` checks that no drift creeps in). Only ``storage.repository``
 reads and writes these tables for the pipeline.
+
+Plain SQLAlchemy Core tables, no ORM classes: every query is a Core statement, and a command
+that only reads (`visbatch status`) does not pay for importing the ORM.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
+    Column,
     DateTime,
     Dialect,
     Float,
@@ -25,12 +29,12 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Table,
     Text,
     TypeDecorator,
     UniqueConstraint,
 )
-from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeEngine
 
 
 class JobStatus(StrEnum):
@@ -109,9 +113,24 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
-# JSONB on PostgreSQL so outputs can be queried and indexed; none_as_null so a Python None is
-# SQL NULL ("no output") rather than the JSON literal null.
-JSONDocument = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
+class JSONDocument(TypeDecorator[Any]):
+    """JSON, stored as JSONB on PostgreSQL so outputs can be queried and indexed.
+
+    A Python None is SQL NULL ("no output"), never the JSON literal null. The PostgreSQL type is
+    chosen when a dialect asks for it: importing that dialect (asyncio and more) up front would
+    slow every `visbatch status` on SQLite.
+    """
+
+    impl = JSON(none_as_null=True)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name == "postgresql":
+            from sqlalchemy.dialects.postgresql import JSONB
+
+            return dialect.type_descriptor(JSONB(none_as_null=True))
+        return dialect.type_descriptor(JSON(none_as_null=True))
+
 
 # 64-bit keys on PostgreSQL (a fleet can write billions of results); SQLite only autoincrements
 # a column declared exactly INTEGER PRIMARY KEY, which is 64-bit there anyway.
@@ -124,192 +143,191 @@ ONLY_ON = "only_on_dialect"
 KEY_LENGTH = 1024  # S3 object keys are at most 1024 bytes
 
 
-class Base(DeclarativeBase):
-    # Named constraints make migrations (and SQLite batch rebuilds) deterministic.
-    metadata = MetaData(
-        naming_convention={
-            "ix": "ix_%(table_name)s_%(column_0_N_name)s",
-            "uq": "uq_%(table_name)s_%(column_0_N_name)s",
-            "ck": "ck_%(table_name)s_%(constraint_name)s",
-            "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
-            "pk": "pk_%(table_name)s",
-        }
-    )
+# Named constraints make migrations (and SQLite batch rebuilds) deterministic.
+METADATA = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
 
 
-def _counter() -> Mapped[int]:
-    return mapped_column(Integer, nullable=False, default=0, server_default="0")
+def _status(default: StrEnum, **extra: Any) -> Column[str]:
+    return Column("status", String(STATUS_LENGTH), nullable=False, default=default.value, **extra)
 
 
-def _seconds() -> Mapped[float]:
-    return mapped_column(Float, nullable=False, default=0.0, server_default="0")
+def _counter(name: str) -> Column[int]:
+    return Column(name, Integer, nullable=False, default=0, server_default="0")
 
 
-def _token_counter() -> Mapped[int]:
+def _seconds(name: str) -> Column[float]:
+    return Column(name, Float, nullable=False, default=0.0, server_default="0")
+
+
+def _token_counter(name: str) -> Column[int]:
     # Token sums of a big job pass 2**31.
-    return mapped_column(BigInteger, nullable=False, default=0, server_default="0")
+    return Column(name, BigInteger, nullable=False, default=0, server_default="0")
 
 
-class Job(Base):
-    __tablename__ = "jobs"
+def _created_at() -> Column[datetime]:
+    return Column("created_at", UTCDateTime, nullable=False, default=utcnow)
 
-    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_job_id)
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow, index=True)
-    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow, onupdate=utcnow)
-    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
-    status: Mapped[str] = mapped_column(
-        String(STATUS_LENGTH), nullable=False, default=JobStatus.QUEUED.value, index=True
-    )
-    spec: Mapped[dict[str, Any]] = mapped_column(JSONDocument, nullable=False)
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
 
-    sources_total: Mapped[int] = _counter()
-    sources_failed: Mapped[int] = _counter()
-    units_total: Mapped[int] = _counter()
-    units_failed: Mapped[int] = _counter()
-    # Units neither done nor failed: the fan-in countdown (see repository.finish_units).
-    units_pending: Mapped[int] = _counter()
-    results_total: Mapped[int] = _counter()
-    results_failed: Mapped[int] = _counter()
-    cache_hits: Mapped[int] = _counter()
-    cache_misses: Mapped[int] = _counter()
-    visual_tokens: Mapped[int] = _token_counter()
-    prompt_tokens: Mapped[int] = _token_counter()
-    completion_tokens: Mapped[int] = _token_counter()
+def _updated_at() -> Column[datetime]:
+    return Column("updated_at", UTCDateTime, nullable=False, default=utcnow, onupdate=utcnow)
+
+
+def _job_ref(**extra: Any) -> Column[str]:
+    return Column("job_id", String(32), ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False, **extra)
+
+
+JOBS = Table(
+    "jobs",
+    METADATA,
+    Column("id", String(32), primary_key=True, default=new_job_id),
+    Column("created_at", UTCDateTime, nullable=False, default=utcnow, index=True),
+    _updated_at(),
+    Column("finished_at", UTCDateTime, nullable=True),
+    _status(JobStatus.QUEUED, index=True),
+    Column("spec", JSONDocument, nullable=False),
+    Column("error", Text, nullable=True),
+    *map(_counter, ("sources_total", "sources_failed", "units_total", "units_failed")),
+    # Units neither done nor failed: the fan-in countdown (see storage.sql).
+    _counter("units_pending"),
+    *map(_counter, ("results_total", "results_failed", "cache_hits", "cache_misses")),
+    *map(_token_counter, ("visual_tokens", "prompt_tokens", "completion_tokens")),
     # Streaming (migration 0004): when work began and the first result landed, and each stage's
     # busy time summed over every process that worked on the job (wall time is finished - started).
-    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
-    first_result_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
-    ingest_seconds: Mapped[float] = _seconds()
-    encode_seconds: Mapped[float] = _seconds()
-    generate_seconds: Mapped[float] = _seconds()
+    Column("started_at", UTCDateTime, nullable=True),
+    Column("first_result_at", UTCDateTime, nullable=True),
+    *map(_seconds, ("ingest_seconds", "encode_seconds", "generate_seconds")),
+)
 
-
-class Source(Base):
-    __tablename__ = "sources"
-    __table_args__ = (UniqueConstraint("job_id", "uri"),)
-
-    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
-    job_id: Mapped[str] = mapped_column(String(32), ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False)
-    uri: Mapped[str] = mapped_column(Text, nullable=False)
-    sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    kind: Mapped[str | None] = mapped_column(String(STATUS_LENGTH), nullable=True)
-    bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
-    status: Mapped[str] = mapped_column(
-        String(STATUS_LENGTH), nullable=False, default=SourceStatus.PENDING.value
-    )
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
+SOURCES = Table(
+    "sources",
+    METADATA,
+    Column("id", BigIntId, primary_key=True, autoincrement=True),
+    _job_ref(),
+    Column("uri", Text, nullable=False),
+    Column("sha256", String(64), nullable=True),
+    Column("kind", String(STATUS_LENGTH), nullable=True),
+    Column("bytes", BigInteger, nullable=True),
+    _status(SourceStatus.PENDING),
+    Column("error", Text, nullable=True),
+    _created_at(),
     # Units before this index are stored (migration 0004): the cursor of range-by-range ingest.
-    next_unit: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    Column("next_unit", Integer, nullable=False, default=0, server_default="0"),
+    UniqueConstraint("job_id", "uri"),
+)
 
-
-class Unit(Base):
-    __tablename__ = "units"
-    __table_args__ = (
-        # "index" is an SQL keyword: the column is named unit_index, the attribute stays ``index``.
-        UniqueConstraint("source_id", "unit_index"),
-        # Serves "this job's units in state X" (resume, counts) and plain per-job lookups.
-        Index("ix_units_job_id_status", "job_id", "status"),
-    )
-
-    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
-    source_id: Mapped[int] = mapped_column(
-        BigInteger, ForeignKey("sources.id", ondelete="CASCADE"), nullable=False
-    )
-    job_id: Mapped[str] = mapped_column(String(32), ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False)
-    index: Mapped[int] = mapped_column("unit_index", Integer, nullable=False)
-    timestamp: Mapped[float | None] = mapped_column(Float, nullable=True)
-    width: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    height: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    image_key: Mapped[str | None] = mapped_column(String(KEY_LENGTH), nullable=True)
-    text: Mapped[str | None] = mapped_column(Text, nullable=True)
-    visual_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    cache_key: Mapped[str | None] = mapped_column(String(KEY_LENGTH), nullable=True)
-    cache_hit: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
-    status: Mapped[str] = mapped_column(
-        String(STATUS_LENGTH), nullable=False, default=UnitStatus.PENDING.value
-    )
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+UNITS = Table(
+    "units",
+    METADATA,
+    Column("id", BigIntId, primary_key=True, autoincrement=True),
+    Column("source_id", BigInteger, ForeignKey("sources.id", ondelete="CASCADE"), nullable=False),
+    _job_ref(),
+    # "index" is an SQL keyword: the page number (from 0) or frame number is unit_index.
+    Column("unit_index", Integer, nullable=False),
+    Column("timestamp", Float, nullable=True),
+    Column("width", Integer, nullable=True),
+    Column("height", Integer, nullable=True),
+    Column("image_key", String(KEY_LENGTH), nullable=True),
+    Column("text", Text, nullable=True),
+    Column("visual_tokens", Integer, nullable=True),
+    Column("cache_key", String(KEY_LENGTH), nullable=True),
+    Column("cache_hit", Boolean, nullable=True),
+    _status(UnitStatus.PENDING),
+    Column("error", Text, nullable=True),
     # The visual-token budget (migration 0003): the resize bounds this unit is encoded with (NULL:
     # the model's own), its tokens at the model's own bounds (for "tokens saved"), and for a
     # skipped frame why, and which kept frame it repeats.
-    min_pixels: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    max_pixels: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    full_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    skip_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
-    duplicate_of: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    Column("min_pixels", Integer, nullable=True),
+    Column("max_pixels", Integer, nullable=True),
+    Column("full_tokens", Integer, nullable=True),
+    Column("skip_reason", Text, nullable=True),
+    Column("duplicate_of", Integer, nullable=True),
+    UniqueConstraint("source_id", "unit_index"),
+    # Serves "this job's units in state X" (resume, counts) and plain per-job lookups.
+    Index("ix_units_job_id_status", "job_id", "status"),
+)
+
+RESULTS = Table(
+    "results",
+    METADATA,
+    Column("id", BigIntId, primary_key=True, autoincrement=True),
+    Column("unit_id", BigInteger, ForeignKey("units.id", ondelete="CASCADE"), nullable=False),
+    _job_ref(index=True),
+    Column("prompt_index", Integer, nullable=False),
+    Column("output", JSONDocument, nullable=True),
+    Column("text", Text, nullable=True),
+    Column("error", Text, nullable=True),
+    Column("prompt_tokens", Integer, nullable=False, default=0),
+    Column("visual_tokens", Integer, nullable=False, default=0),
+    Column("completion_tokens", Integer, nullable=False, default=0),
+    # Visual tokens left out of the LM input by pruning (visual_tokens counts the whole image).
+    Column("pruned_tokens", Integer, nullable=False, default=0, server_default="0"),
+    # Visual tokens merged into neighbours before the LM (migration 0004).
+    Column("merged_tokens", Integer, nullable=False, default=0, server_default="0"),
+    Column("finish_reason", String(32), nullable=True),
+    Column("model", String(255), nullable=False),
+    Column("engine", String(64), nullable=False),
+    Column("cache_hit", Boolean, nullable=False, default=False),
+    Column("latency_ms", Float, nullable=False, default=0.0),
+    _created_at(),
+    _updated_at(),
+    UniqueConstraint("unit_id", "prompt_index"),
+    # The PostgreSQL-only GIN index on output: see schema_metadata().
+)
 
 
-class Result(Base):
-    __tablename__ = "results"
-    __table_args__ = (
-        UniqueConstraint("unit_id", "prompt_index"),
-        # PostgreSQL only: lets containment and JSON-path equality queries on outputs use an index,
-        # e.g. ``output @> '{"vendor": "ACME"}'`` or ``output @@ '$.vendor == "ACME"'`` (also through
-        # the result_rows view). jsonb_path_ops: smaller and faster than the default opclass, and
-        # those are the operators it serves. SQLite has neither JSONB nor GIN.
+# One object seen in an S3 drop folder, claimed by exactly one watcher. Unique on (bucket, key,
+# etag): the INSERT that wins the row is the claim, so several watchers and re-drops of identical
+# content make one job; new content (a new ETag) under the same key is a new claim and a new job.
+DROP_CLAIMS = Table(
+    "drop_claims",
+    METADATA,
+    Column("id", BigIntId, primary_key=True, autoincrement=True),
+    Column("bucket", String(63), nullable=False),  # S3 bucket names: 3..63
+    Column("key", String(KEY_LENGTH), nullable=False),
+    Column("etag", String(255), nullable=False),
+    # The job stays traceable from the claim; deleting old jobs must not be blocked by claims.
+    Column("job_id", String(32), ForeignKey("jobs.id", ondelete="SET NULL"), nullable=True, index=True),
+    _status(ClaimStatus.CLAIMED),
+    Column("error", Text, nullable=True),
+    _created_at(),
+    _updated_at(),
+    UniqueConstraint("bucket", "key", "etag"),
+)
+
+
+def schema_metadata() -> MetaData:
+    """The whole schema, for migrations and the drift test: the tables plus what exists on one
+    dialect only, added on first call.
+
+    That is the GIN index on ``results.output`` (PostgreSQL): it lets containment and JSON-path
+    equality queries on outputs use an index, e.g. ``output @> '{"vendor": "ACME"}'`` or
+    ``output @@ '$.vendor == "ACME"'`` (also through the result_rows view); jsonb_path_ops is
+    smaller and faster than the default opclass, and those are the operators it serves. SQLite
+    has neither JSONB nor GIN. It is declared here rather than beside the table because its
+    ``postgresql_*`` options load the PostgreSQL dialect (asyncio and more), which every
+    `visbatch status` on SQLite would pay for; the pipeline never creates tables from these
+    objects (migrations do), so nothing else needs it.
+    """
+    if _GIN_INDEX not in {index.name for index in RESULTS.indexes}:
         Index(
-            "ix_results_output_gin",
-            "output",
+            _GIN_INDEX,
+            RESULTS.c.output,
             postgresql_using="gin",
             postgresql_ops={"output": "jsonb_path_ops"},
             info={ONLY_ON: "postgresql"},
-        ).ddl_if(dialect="postgresql"),
-    )
-
-    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
-    unit_id: Mapped[int] = mapped_column(
-        BigInteger, ForeignKey("units.id", ondelete="CASCADE"), nullable=False
-    )
-    job_id: Mapped[str] = mapped_column(
-        String(32), ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False, index=True
-    )
-    prompt_index: Mapped[int] = mapped_column(Integer, nullable=False)
-    output: Mapped[Any | None] = mapped_column(JSONDocument, nullable=True)
-    text: Mapped[str | None] = mapped_column(Text, nullable=True)
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    prompt_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
-    visual_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
-    completion_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
-    # Visual tokens left out of the LM input by pruning (visual_tokens counts the whole image).
-    pruned_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
-    # Visual tokens merged into neighbours before the LM (migration 0004).
-    merged_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
-    finish_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
-    model: Mapped[str] = mapped_column(String(255), nullable=False)
-    engine: Mapped[str] = mapped_column(String(64), nullable=False)
-    cache_hit: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
-    latency_ms: Mapped[float] = mapped_column(Float, nullable=False, default=0.0)
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow, onupdate=utcnow)
+        ).ddl_if(dialect="postgresql")
+    return METADATA
 
 
-class DropClaim(Base):
-    """One object seen in an S3 drop folder, claimed by exactly one watcher.
-
-    Unique on (bucket, key, etag): the INSERT that wins the row is the claim, so several
-    watchers and re-drops of identical content make one job; new content (a new ETag) under the
-    same key is a new claim and a new job.
-    """
-
-    __tablename__ = "drop_claims"
-    __table_args__ = (UniqueConstraint("bucket", "key", "etag"),)
-
-    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
-    bucket: Mapped[str] = mapped_column(String(63), nullable=False)  # S3 bucket names: 3..63
-    key: Mapped[str] = mapped_column(String(KEY_LENGTH), nullable=False)
-    etag: Mapped[str] = mapped_column(String(255), nullable=False)
-    # The job stays traceable from the claim; deleting old jobs must not be blocked by claims.
-    job_id: Mapped[str | None] = mapped_column(
-        String(32), ForeignKey("jobs.id", ondelete="SET NULL"), nullable=True, index=True
-    )
-    status: Mapped[str] = mapped_column(
-        String(STATUS_LENGTH), nullable=False, default=ClaimStatus.CLAIMED.value
-    )
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, nullable=False, default=utcnow, onupdate=utcnow)
+_GIN_INDEX = "ix_results_output_gin"
 
 
 def include_object_for(dialect_name: str) -> Callable[[Any, str | None, str, bool, Any], bool]:

@@ -24,6 +24,7 @@ from storage.jobs import (
     set_job_status,
     start_job,
 )
+from storage.models import DROP_CLAIMS, JOBS, RESULTS, SOURCES, UNITS
 from storage.results import (
     answered_prompts,
     count_results,
@@ -42,7 +43,7 @@ from storage.sources import (
     source_state,
     stored_unit_indexes,
 )
-from storage.sql import DROP_CLAIMS, JOBS, RESULTS, SOURCES, UNITS, JobNotFound, NotFound, SourceNotFound
+from storage.sql import JobNotFound, NotFound, SourceNotFound
 from storage.units import (
     add_units,
     fail_units,

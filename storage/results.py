@@ -7,14 +7,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy import Connection, func, select, update
 
 from storage.db import Database
 from storage.jobs import finished_among_in
-from storage.models import utcnow
+from storage.models import JOBS, RESULTS, SOURCES, UNITS, utcnow
 from storage.rows import ResultRow
-from storage.sql import JOBS, RESULTS, SOURCES, UNITS, chunks, dialect_insert, now_param, resolve_in_session
+from storage.sql import chunks, dialect_insert, now_param, resolve_in_session
 from storage.units import finish_units_in
 
 # On a retry everything but identity and created_at is replaced.
@@ -59,7 +58,7 @@ def _params(job_id: str, row: ResultRow, now: Any) -> dict[str, Any]:
     }
 
 
-def _upsert(db: Database, session: Session, rows: Sequence[tuple[str, ResultRow]]) -> set[str]:
+def _upsert(db: Database, session: Connection, rows: Sequence[tuple[str, ResultRow]]) -> set[str]:
     """Upsert the rows; returns the ids of the jobs they belong to."""
     now = utcnow()
     # Last one wins for a key repeated within the call: PostgreSQL refuses to update one row
@@ -76,7 +75,7 @@ def _upsert(db: Database, session: Session, rows: Sequence[tuple[str, ResultRow]
     return {job_id for job_id, _ in latest.values()}
 
 
-def _stamp_first_result(session: Session, job_ids: set[str]) -> None:
+def _stamp_first_result(session: Connection, job_ids: set[str]) -> None:
     # The first stored result of a job is its time to first result (streaming's measure). Jobs
     # are locked last (the lock order: sources -> units -> jobs).
     for job_id in sorted(job_ids):

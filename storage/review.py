@@ -18,20 +18,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import ColumnElement, Select, Table, and_, case, exists, func, or_, select
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy import ColumnElement, Connection, Select, and_, case, exists, func, or_, select
 
 from storage.db import Database
-from storage.models import Job, Result, Source, Unit, UnitStatus
+from storage.models import JOBS, RESULTS, SOURCES, UNITS, UnitStatus
 from storage.repository import resolve_job_id
 from storage.token_report import token_report
-
-JOBS = cast(Table, Job.__table__)
-SOURCES = cast(Table, Source.__table__)
-UNITS = cast(Table, Unit.__table__)
-RESULTS = cast(Table, Result.__table__)
 
 VIEWS = ("all", "failed", "schema", "skipped")
 
@@ -175,7 +169,7 @@ def count_sources(db: Database, job_id: str) -> int:
         return int(session.scalar(select(func.count()).where(SOURCES.c.job_id == job_id)) or 0)
 
 
-def _source_stats(session: Session, source_ids: Sequence[int]) -> dict[int, dict[str, int]]:
+def _source_stats(session: Connection, source_ids: Sequence[int]) -> dict[int, dict[str, int]]:
     if not source_ids:
         return {}
     u = UNITS.c
@@ -217,7 +211,7 @@ def _source_stats(session: Session, source_ids: Sequence[int]) -> dict[int, dict
     return stats
 
 
-def _summaries(session: Session, rows: Sequence[Any]) -> list[SourceSummary]:
+def _summaries(session: Connection, rows: Sequence[Any]) -> list[SourceSummary]:
     stats = _source_stats(session, [row.id for row in rows])
     out = []
     for row in rows:
@@ -369,7 +363,7 @@ def job_sources(db: Database, job_id: str) -> tuple[int, list[str]]:
 
 def shared_sources(db: Database, job_a: str, job_b: str) -> int:
     """Sources (by uri) present in both jobs."""
-    sa, sb = aliased(SOURCES), aliased(SOURCES)
+    sa, sb = SOURCES.alias(), SOURCES.alias()
     stmt = (
         select(func.count())
         .select_from(sa)
@@ -382,7 +376,7 @@ def shared_sources(db: Database, job_a: str, job_b: str) -> int:
 
 def unmatched_units(db: Database, job_a: str, job_b: str) -> int:
     """Units of ``job_a`` with no unit of the same source uri and index in ``job_b``."""
-    ua, sa, ub, sb = aliased(UNITS), aliased(SOURCES), aliased(UNITS), aliased(SOURCES)
+    ua, sa, ub, sb = UNITS.alias(), SOURCES.alias(), UNITS.alias(), SOURCES.alias()
     twin = (
         select(ub.c.id)
         .join(sb, sb.c.id == ub.c.source_id)
@@ -401,7 +395,7 @@ def unmatched_units(db: Database, job_a: str, job_b: str) -> int:
 
 def matched_visual_tokens(db: Database, job_a: str, job_b: str) -> tuple[int, int]:
     """Visual tokens each job spent on the units the two share (skipped frames spend none)."""
-    ua, sa, ub, sb = aliased(UNITS), aliased(SOURCES), aliased(UNITS), aliased(SOURCES)
+    ua, sa, ub, sb = UNITS.alias(), SOURCES.alias(), UNITS.alias(), SOURCES.alias()
 
     def spent(unit: Any) -> Any:
         skipped = unit.c.status == UnitStatus.SKIPPED.value
@@ -451,7 +445,7 @@ def iter_unit_pairs(
     The pairs stream from one query matched by the database on its unique indexes (sources
     (job, uri), units (source, index)); each chunk's answers come from one IN query on results.
     """
-    ua, sa, ub, sb = aliased(UNITS), aliased(SOURCES), aliased(UNITS), aliased(SOURCES)
+    ua, sa, ub, sb = UNITS.alias(), SOURCES.alias(), UNITS.alias(), SOURCES.alias()
     pairs = (
         select(
             sa.c.uri,

@@ -14,17 +14,8 @@ from typing import Any
 from sqlalchemy import select, update
 
 from storage.db import Database
-from storage.models import SourceKind, SourceStatus, UnitStatus, utcnow
-from storage.sql import (
-    SOURCES,
-    UNITS,
-    SourceNotFound,
-    bump,
-    count_down,
-    dialect_insert,
-    lock_source,
-    require_job,
-)
+from storage.models import SOURCES, UNITS, SourceKind, SourceStatus, UnitStatus, utcnow
+from storage.sql import SourceNotFound, bump, count_down, dialect_insert, lock_source, require_job
 
 
 @dataclass(frozen=True, slots=True)

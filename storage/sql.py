@@ -22,29 +22,20 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
-from sqlalchemy import Row, Table, literal, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy import Connection, Row, Table, literal, select, update
 
 from storage.db import Database
 from storage.models import (
-    DropClaim,
-    Job,
+    JOBS,
+    SOURCES,
+    UNITS,
     JobStatus,
-    Result,
-    Source,
-    Unit,
     UnitStatus,
     UTCDateTime,
     utcnow,
 )
-
-JOBS = cast(Table, Job.__table__)
-SOURCES = cast(Table, Source.__table__)
-UNITS = cast(Table, Unit.__table__)
-RESULTS = cast(Table, Result.__table__)
-DROP_CLAIMS = cast(Table, DropClaim.__table__)
 
 MAX_ERRORS = 1000
 MIN_PREFIX = 6
@@ -104,19 +95,19 @@ def job_status_value(status: str) -> str:
         raise ValueError(f"unknown job status {status!r}; one of {[s.value for s in JobStatus]}") from None
 
 
-def bump(session: Session, job_id: str, **deltas: int) -> None:
+def bump(session: Connection, job_id: str, **deltas: int) -> None:
     """Add deltas to job counters atomically (no-op when all are zero)."""
     values = {name: JOBS.c[name] + delta for name, delta in deltas.items() if delta}
     if values:
         session.execute(update(JOBS).where(JOBS.c.id == job_id).values(**values))
 
 
-def require_job(session: Session, job_id: str) -> None:
+def require_job(session: Connection, job_id: str) -> None:
     if session.scalar(select(JOBS.c.id).where(JOBS.c.id == job_id)) is None:
         raise JobNotFound(f"no job {job_id!r}")
 
 
-def resolve_in_session(session: Session, job_id: str) -> str:
+def resolve_in_session(session: Connection, job_id: str) -> str:
     if session.scalar(select(JOBS.c.id).where(JOBS.c.id == job_id)) is not None:
         return job_id
     prefix = job_id.strip().lower()
@@ -130,7 +121,7 @@ def resolve_in_session(session: Session, job_id: str) -> str:
     return matches[0]
 
 
-def lock_units(session: Session, unit_ids: Iterable[int]) -> list[Row[Any]]:
+def lock_units(session: Connection, unit_ids: Iterable[int]) -> list[Row[Any]]:
     """Current (id, job_id, status) of these units, locked, in id order."""
     ids = sorted(set(unit_ids))
     rows: list[Row[Any]] = []
@@ -145,7 +136,7 @@ def lock_units(session: Session, unit_ids: Iterable[int]) -> list[Row[Any]]:
     return rows
 
 
-def lock_source(session: Session, source_id: int) -> Row[Any]:
+def lock_source(session: Connection, source_id: int) -> Row[Any]:
     stmt = select(SOURCES.c.job_id, SOURCES.c.status).where(SOURCES.c.id == source_id).with_for_update()
     row = session.execute(stmt).one_or_none()
     if row is None:
@@ -153,7 +144,7 @@ def lock_source(session: Session, source_id: int) -> Row[Any]:
     return row
 
 
-def count_down(session: Session, job_id: str, n: int) -> int:
+def count_down(session: Connection, job_id: str, n: int) -> int:
     """The fan-in step: the database, not the caller, says how many units are left."""
     stmt = (
         update(JOBS)
@@ -167,6 +158,6 @@ def count_down(session: Session, job_id: str, n: int) -> int:
     return int(remaining)
 
 
-def count_down_jobs(session: Session, counts: dict[str, int]) -> dict[str, int]:
+def count_down_jobs(session: Connection, counts: dict[str, int]) -> dict[str, int]:
     """count_down for several jobs, in job-id order (the lock order); returns what is left of each."""
     return {job_id: count_down(session, job_id, n) for job_id, n in sorted(counts.items()) if n}

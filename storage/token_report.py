@@ -17,20 +17,16 @@ the model's own bounds with every frame kept.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import Table, case, false, func, select, true
-from sqlalchemy.orm import Session
+from sqlalchemy import Connection, case, false, func, select, true
 
-from storage.models import Result, Unit, UnitStatus
-
-UNITS = cast(Table, Unit.__table__)
-RESULTS = cast(Table, Result.__table__)
+from storage.models import RESULTS, UNITS, UnitStatus
 
 _SPENDING = (UnitStatus.PENDING.value, UnitStatus.ENCODED.value, UnitStatus.DONE.value)
 
 
-def token_report(session: Session, job_id: str) -> dict[str, Any]:
+def token_report(session: Connection, job_id: str) -> dict[str, Any]:
     u = UNITS.c
     spending = u.status.in_(_SPENDING)
     skipped = u.status == UnitStatus.SKIPPED.value

@@ -14,12 +14,10 @@ from typing import Any
 from sqlalchemy import Row, bindparam, or_, select, update
 
 from storage.db import Database
-from storage.models import UnitStatus
+from storage.models import SOURCES, UNITS, UnitStatus
 from storage.rows import UnitRow, UnitTask
 from storage.sql import (
-    SOURCES,
     UNFINISHED_UNITS,
-    UNITS,
     bump,
     chunks,
     count_down_jobs,

@@ -15,7 +15,7 @@ from ingest.budget import VisualBudget
 from ingest.spec import IngestOptions, JobSpec, Sampling
 from storage import repository as repo
 from storage.db import Database
-from storage.models import Result, Unit
+from storage.models import RESULTS, SOURCES, UNITS
 from storage.review import iter_unit_pairs
 from storage.settings import Settings
 from tests.browser import chromium, load_all_images
@@ -131,11 +131,11 @@ def test_known_differences_in_json_answers(world):
         changed_id, output = _result(session, job_b, pdf, 1, prompt_index=1)  # B asks "Classify." second
         flipped = dict(output, kind="other" if output["kind"] == "invoice" else "invoice")
         session.execute(
-            update(Result).where(Result.id == changed_id).values(output=flipped, text=json.dumps(flipped))
+            update(RESULTS).where(RESULTS.c.id == changed_id).values(output=flipped, text=json.dumps(flipped))
         )
         failed_id, _ = _result(session, job_b, video, 0, prompt_index=0)
         session.execute(
-            update(Result).where(Result.id == failed_id).values(output=None, text=None, error="boom")
+            update(RESULTS).where(RESULTS.c.id == failed_id).values(output=None, text=None, error="boom")
         )
 
     after = compare_jobs(db, job_a, job_b)
@@ -156,17 +156,15 @@ def test_known_differences_in_json_answers(world):
 
 
 def _result(session, job_id: str, uri: str, unit: int, prompt_index: int) -> tuple[int, dict]:
-    from storage.models import Source
-
     row = session.execute(
-        select(Result.id, Result.output)
-        .join(Unit, Unit.id == Result.unit_id)
-        .join(Source, Source.id == Unit.source_id)
+        select(RESULTS.c.id, RESULTS.c.output)
+        .join(UNITS, UNITS.c.id == RESULTS.c.unit_id)
+        .join(SOURCES, SOURCES.c.id == UNITS.c.source_id)
         .where(
-            Result.job_id == job_id,
-            Source.uri == uri,
-            Unit.index == unit,
-            Result.prompt_index == prompt_index,
+            RESULTS.c.job_id == job_id,
+            SOURCES.c.uri == uri,
+            UNITS.c.unit_index == unit,
+            RESULTS.c.prompt_index == prompt_index,
         )
     ).one()
     return row.id, row.output
@@ -243,13 +241,13 @@ def test_terminal_output_cannot_be_restyled_by_answers(world):
     hostile = "[bold red]x[/] \x1b[2J\x1b]0;pwn\x07"
     with db.session() as session:
         rid = _result(session, low, str(paths[0]), 0, prompt_index=0)[0]
-        original = session.scalar(select(Result.text).where(Result.id == rid))
-        session.execute(update(Result).where(Result.id == rid).values(text=hostile))
+        original = session.scalar(select(RESULTS.c.text).where(RESULTS.c.id == rid))
+        session.execute(update(RESULTS).where(RESULTS.c.id == rid).values(text=hostile))
     try:
         result = run_cli(settings.home, "compare", high, low, "--show", "50")
     finally:  # the other tests share these jobs
         with db.session() as session:
-            session.execute(update(Result).where(Result.id == rid).values(text=original))
+            session.execute(update(RESULTS).where(RESULTS.c.id == rid).values(text=original))
     assert result.returncode == 0, result.stderr
     assert "\x1b[2J" not in result.stdout and "\x07" not in result.stdout
     assert "[bold red]x[/]" in result.stdout

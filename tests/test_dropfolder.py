@@ -15,7 +15,7 @@ from ingest.drop_guard import MARKER_NAME
 from ingest.dropfolder import DropFolderWatcher
 from ingest.spec import JobSpec
 from storage.db import Database
-from storage.models import ClaimStatus, DropClaim
+from storage.models import DROP_CLAIMS, ClaimStatus
 from storage.repository import add_source, claim_object, create_job, find_claim, job_summary, set_claim
 
 DEFAULT = JobSpec(prompts=["What is this?"])
@@ -50,7 +50,7 @@ def _keys(client: Any, bucket: str, prefix: str = "") -> list[str]:
 
 def _claims(db: Database) -> list[Any]:
     with db.session(readonly=True) as session:
-        return list(session.execute(select(DropClaim.__table__).order_by(DropClaim.id)).all())
+        return list(session.execute(select(DROP_CLAIMS).order_by(DROP_CLAIMS.c.id)).all())
 
 
 def _watcher(client: Any, db: Database, bucket: str, submit: Submitter, **kwargs: Any) -> DropFolderWatcher:

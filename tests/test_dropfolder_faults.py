@@ -30,7 +30,7 @@ from ingest.drop_guard import MARKER_NAME
 from ingest.dropfolder import DropFolderWatcher
 from ingest.spec import JobSpec
 from storage.db import Database
-from storage.models import ClaimStatus, DropClaim, Job
+from storage.models import DROP_CLAIMS, JOBS, ClaimStatus
 from tests.faults import TCPProxy
 from tests.test_dropfolder import Submitter
 
@@ -47,7 +47,7 @@ def _keys(client: Any, bucket: str, prefix: str = "") -> list[str]:
 
 def _claims(db: Database) -> list[Any]:
     with db.session(readonly=True) as session:
-        return list(session.execute(select(DropClaim.__table__).order_by(DropClaim.id)).all())
+        return list(session.execute(select(DROP_CLAIMS).order_by(DROP_CLAIMS.c.id)).all())
 
 
 def _ours(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
@@ -328,7 +328,7 @@ def test_watch_process_says_what_it_does_in_its_log(
     assert proc.returncode == 0, text
     assert "Traceback" not in text
     with pg.session(readonly=True) as session:
-        jobs = list(session.execute(select(Job.id, Job.spec)).all())
+        jobs = list(session.execute(select(JOBS.c.id, JOBS.c.spec)).all())
     assert [spec["prompts"] for _, spec in jobs] == [["First?"]]  # one job, with the first spec
     lines = text.splitlines()
     [made] = [line for line in lines if "inbox/good/b.pdf -> job" in line]

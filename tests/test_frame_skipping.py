@@ -9,13 +9,13 @@ import av
 import numpy as np
 import pytest
 from PIL import Image
-from sqlalchemy import select
+from sqlalchemy import Row, select
 
 from ingest.budget import VisualBudget
 from ingest.frames import RedundantFrames, frame_signature, signature_distance
 from ingest.spec import IngestOptions, JobSpec
 from storage import repository as repo
-from storage.models import Unit, UnitStatus
+from storage.models import UNITS, UnitStatus
 from worker.embedded import ingest_only
 from worker.runtime import Runtime
 
@@ -43,11 +43,10 @@ def write_static_and_moving(path: Path, seconds: int = 8, fps: int = 10, size=(3
     return path
 
 
-def _units(rt: Runtime, job_id: str) -> list[Unit]:
+def _units(rt: Runtime, job_id: str) -> list[Row]:
     with rt.db.session(readonly=True) as session:
-        rows = session.execute(select(Unit).where(Unit.job_id == job_id).order_by(Unit.index)).scalars().all()
-        session.expunge_all()
-    return list(rows)
+        stmt = select(UNITS).where(UNITS.c.job_id == job_id).order_by(UNITS.c.unit_index)
+        return list(session.execute(stmt).all())
 
 
 def _ingest(settings_factory, path: Path, budget: VisualBudget) -> tuple[Runtime, str]:
@@ -69,7 +68,7 @@ def test_static_frames_are_skipped_moving_ones_kept(settings_factory, tmp_path):
         # The first frame, every moving frame, and the first frame after the square leaves.
         assert kept == {0.0, *moving, MOVING[1]}
         assert skipped == {u.timestamp for u in units} - kept
-        by_index = {u.index: u for u in units}
+        by_index = {u.unit_index: u for u in units}
         for unit in units:
             if unit.status == UnitStatus.SKIPPED:
                 assert "near-duplicate of frame" in unit.skip_reason

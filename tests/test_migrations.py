@@ -14,7 +14,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import inspect
 
 from storage.db import Database, migrations_folder
-from storage.models import Base, include_object_for
+from storage.models import include_object_for, schema_metadata
 
 REPO = Path(__file__).resolve().parents[1]
 TABLES = {"jobs", "sources", "units", "results", "drop_claims"}
@@ -37,7 +37,7 @@ def _drift(db: Database) -> list[object]:
     with db.engine.connect() as connection:
         opts = {"compare_type": True, "include_object": include_object_for(connection.dialect.name)}
         context = MigrationContext.configure(connection, opts=opts)
-        return list(compare_metadata(context, Base.metadata))
+        return list(compare_metadata(context, schema_metadata()))
 
 
 def _head() -> str:

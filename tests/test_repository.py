@@ -7,27 +7,32 @@ import time
 from typing import Any
 
 import pytest
-from sqlalchemy import event, func, select
+from sqlalchemy import Connection, Row, Table, delete, event, func, select, update
 
 import storage.jobs
 from storage import repository as repo
 from storage.db import Database
-from storage.models import Job, Result, Source, Unit, UnitStatus
+from storage.models import JOBS, RESULTS, SOURCES, UNITS, UnitStatus
 from storage.repository import JobNotFound, ResultRow, SourceNotFound, UnitRow
 
 SPEC = {"prompts": ["describe", "extract"], "json_schema": None, "sampling": {"max_new_tokens": 8}}
 
 
+def by_id(session: Connection, table: Table, row_id: Any) -> Row[Any]:
+    row = session.execute(select(table).where(table.c.id == row_id)).one_or_none()
+    assert row is not None, f"no {table.name} row {row_id}"
+    return row
+
+
 def counters(db: Database, job_id: str) -> dict[str, Any]:
     with db.session(readonly=True) as session:
-        job = session.get(Job, job_id)
-        assert job is not None
-        return {column.key: getattr(job, column.key) for column in Job.__mapper__.column_attrs}
+        return dict(by_id(session, JOBS, job_id)._mapping)
 
 
-def count_rows(db: Database, model: type, job_id: str) -> int:
+def count_rows(db: Database, table: Table, job_id: str) -> int:
     with db.session(readonly=True) as session:
-        return int(session.scalar(select(func.count()).select_from(model).where(model.job_id == job_id)) or 0)
+        stmt = select(func.count()).select_from(table).where(table.c.job_id == job_id)
+        return int(session.scalar(stmt) or 0)
 
 
 def unit_rows(n: int, *, tokens: int = 100, start: int = 0) -> list[UnitRow]:
@@ -118,7 +123,7 @@ def test_add_source_is_idempotent(db: Database) -> None:
     other = repo.add_source(db, job_id, "s3://bucket/b.mp4")
     assert other != first
     assert counters(db, job_id)["sources_total"] == 2
-    assert count_rows(db, Source, job_id) == 2
+    assert count_rows(db, SOURCES, job_id) == 2
     # The same uri in another job is another source.
     second_job = repo.create_job(db, SPEC)
     assert repo.add_source(db, second_job, "s3://bucket/a.pdf") != first
@@ -148,8 +153,7 @@ def test_complete_source_with_error_counts_once(db: Database) -> None:
     assert repo.complete_source(db, source_id, error="still not a PDF") == {}
     assert counters(db, job_id)["sources_failed"] == 1
     with db.session(readonly=True) as session:
-        source = session.get(Source, source_id)
-        assert source is not None
+        source = by_id(session, SOURCES, source_id)
         assert (source.status, source.error, source.kind, source.bytes) == ("failed", "not a PDF", "pdf", 3)
     with pytest.raises(SourceNotFound):
         repo.complete_source(db, 10**9, error="nope")
@@ -195,7 +199,7 @@ def test_add_units_twice_is_idempotent(db: Database) -> None:
 
     assert repo.add_units(db, job_id, source_id, rows) == ids
     assert counters(db, job_id) | {"updated_at": None} == after_first | {"updated_at": None}
-    assert count_rows(db, Unit, job_id) == 4
+    assert count_rows(db, UNITS, job_id) == 4
 
     # Ids come back in the order of the rows, not of the table.
     assert repo.add_units(db, job_id, source_id, list(reversed(rows))) == list(reversed(ids))
@@ -216,9 +220,7 @@ def test_add_units_retry_fixes_failed_rows_and_keeps_encoded_ones(db: Database) 
     assert (job["units_total"], job["units_failed"], job["units_pending"]) == (3, 0, 4)  # + the hold
     assert job["visual_tokens"] == 250
     with db.session(readonly=True) as session:
-        kept = session.get(Unit, ids[0])
-        fixed = session.get(Unit, ids[2])
-        assert kept is not None and fixed is not None
+        kept, fixed = by_id(session, UNITS, ids[0]), by_id(session, UNITS, ids[2])
         assert (kept.status, kept.image_key, kept.cache_key) == ("encoded", "img/0.png", "key-0")
         assert (fixed.status, fixed.error, fixed.visual_tokens) == ("pending", None, 50)
 
@@ -293,8 +295,8 @@ def test_fail_units_counts_once_and_counts_down(db: Database) -> None:
     job = counters(db, job_id)
     assert (job["units_failed"], job["units_pending"]) == (2, 1)
     with db.session(readonly=True) as session:
-        unit = session.get(Unit, ids[0])
-        assert unit is not None and (unit.status, unit.error) == ("failed", "tower crashed")
+        unit = by_id(session, UNITS, ids[0])
+        assert (unit.status, unit.error) == ("failed", "tower crashed")
     # finish_units no longer touches failed units.
     assert repo.finish_units(db, ids) == {job_id: 0}
     assert counters(db, job_id)["units_pending"] == 0
@@ -363,7 +365,7 @@ def test_upsert_results_twice_updates_never_duplicates(db: Database) -> None:
     before = counters(db, job_id)
     retry = [result(ids[0], 0, text="second try"), result(ids[1], 1, error="schema mismatch")]
     assert repo.upsert_results(db, job_id, retry) == 2
-    assert count_rows(db, Result, job_id) == 4
+    assert count_rows(db, RESULTS, job_id) == 4
     assert counters(db, job_id) | {"updated_at": None} == before | {"updated_at": None}
     by_key = {(r["unit"], r["prompt_index"]): r for r in repo.iter_results(db, job_id)}
     assert by_key[(0, 0)]["text"] == "second try"
@@ -384,7 +386,7 @@ def test_store_results_refuses_a_cancelled_job(db: Database) -> None:
     stored = repo.store_results(db, rows, units)
     assert stored.refused == {cancelled}
     assert stored.remaining == {live: 0}
-    assert count_rows(db, Result, live) == 2 and count_rows(db, Result, cancelled) == 0
+    assert count_rows(db, RESULTS, live) == 2 and count_rows(db, RESULTS, cancelled) == 0
     assert repo.units_in_state(db, cancelled, UnitStatus.PENDING)  # untouched: a resume does them
     assert counters(db, cancelled)["first_result_at"] is None
 
@@ -428,7 +430,7 @@ def test_bulk_upsert_of_5000_results_is_one_statement(db: Database) -> None:
     finally:
         event.remove(db.engine, "before_cursor_execute", record)
     assert len(statements) == 2 and all(executemany for _, executemany in statements)
-    assert count_rows(db, Result, job_id) == 5000
+    assert count_rows(db, RESULTS, job_id) == 5000
     assert elapsed < 30, f"5,000 results took {elapsed:.1f}s"
 
 
@@ -488,10 +490,7 @@ def test_close_job_keeps_cancelled_and_repairs_counters(db: Database) -> None:
     run_to_end(db, job_id, ids)
     repo.set_job_status(db, job_id, "cancelled")
     with db.session() as session:  # simulate drifted counters
-        job = session.get(Job, job_id)
-        assert job is not None
-        job.units_pending = 7
-        job.sources_total = 0
+        session.execute(update(JOBS).where(JOBS.c.id == job_id).values(units_pending=7, sources_total=0))
     assert repo.close_job(db, job_id) == "cancelled"
     job_row = counters(db, job_id)
     assert (job_row["units_pending"], job_row["sources_total"], job_row["units_total"]) == (0, 1, 2)
@@ -629,17 +628,15 @@ def test_deleting_a_job_cascades(db: Database) -> None:
     job_id, _, ids = job_with_units(db, 2)
     run_to_end(db, job_id, ids)
     with db.session() as session:
-        session.delete(session.get(Job, job_id))
-    for model in (Source, Unit, Result):
-        assert count_rows(db, model, job_id) == 0
+        session.execute(delete(JOBS).where(JOBS.c.id == job_id))
+    for table in (SOURCES, UNITS, RESULTS):
+        assert count_rows(db, table, job_id) == 0
 
 
 def test_session_rolls_back_on_error(db: Database) -> None:
     job_id = repo.create_job(db, SPEC)
     with pytest.raises(RuntimeError), db.session() as session:
-        job = session.get(Job, job_id)
-        assert job is not None
-        job.status = "running"
-        session.flush()
+        session.execute(update(JOBS).where(JOBS.c.id == job_id).values(status="running"))
+        assert by_id(session, JOBS, job_id).status == "running"
         raise RuntimeError("boom")
     assert counters(db, job_id)["status"] == "queued"
