@@ -112,8 +112,13 @@ def explain(exc: BaseException) -> UserError | None:
         return UserError(str(exc), MODEL_FIX, EXIT_UNAVAILABLE)
     if isinstance(exc, UnsupportedModel):
         return UserError(str(exc), "use a model of a supported family (docs/engines.md)", EXIT_USAGE)
+    from storage.settings import SettingError
     from storage.sql import NotFound
 
+    if isinstance(exc, SettingError):
+        return UserError(
+            str(exc), "correct or unset that variable (docs/cli.md lists every setting)", EXIT_USAGE
+        )
     if isinstance(exc, NotFound):
         return UserError(str(exc), "`visbatch jobs` lists the recent jobs", EXIT_USAGE)
     return None
