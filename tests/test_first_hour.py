@@ -246,7 +246,7 @@ def test_8_help_at_80_columns_shows_every_option_whole(command, tmp_path):
     assert done.rc == 0
     assert all(len(line) <= 80 for line in done.out.splitlines())
     assert "…" not in done.out and "<" not in done.out.replace("<=", "")  # no <bool>, <list[Path]>
-    click_command = get_command(app).commands[command]  # type: ignore[attr-defined]
+    click_command = get_command(app).get_command(None, command)  # type: ignore[attr-defined]
     for param in click_command.params:
         for flag in [*param.opts, *param.secondary_opts]:
             if flag.startswith("--"):
@@ -417,7 +417,7 @@ def test_14_an_unexpected_error_is_one_line_and_exit_5(tmp_path, monkeypatch):
         raise RuntimeError("a bug\nwith two lines")
 
     monkeypatch.setenv("VISBATCH_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(cli, "_runtime", boom)
+    monkeypatch.setattr(cli, "make_runtime", boom)
     done = CliRunner().invoke(cli.app, ["jobs"])
     assert done.exit_code == 5
     assert done.output.splitlines() == [
@@ -444,7 +444,8 @@ def test_16_run_submit_and_plan_declare_the_same_job_options():
     from worker.cli import app
     from worker.cli_options import INGEST_OPTIONS, INPUT_OPTIONS, MODEL_OPTIONS
 
-    commands = get_command(app).commands  # type: ignore[attr-defined]
+    group = get_command(app)
+    commands = {name: group.get_command(None, name) for name in group.list_commands(None)}  # type: ignore[attr-defined]
 
     def options(name: str) -> dict[str, tuple]:
         return {

@@ -15,8 +15,18 @@ import pytest
 from tests.media import write_pdf
 
 HEAVY = ("torch", "transformers")
+# What a command that only reads the database (`status`, `jobs`, `results`) has no use
+# for: the ORM, the job spec's pydantic models (and the commands they declare), pydantic-settings,
+# and, on SQLite, the PostgreSQL dialect (which pulls in asyncio).
+NOT_FOR_READING = (
+    "sqlalchemy.orm",
+    "ingest.spec",
+    "worker.cli_run",
+    "pydantic_settings",
+    "sqlalchemy.dialects.postgresql",
+)
 # The command runs as `visbatch` would; however it ends (an exit, an error, a SIGTERM), the
-# modules it loaded are printed last.
+# watched modules it loaded are printed last.
 PROBE = f"""
 import signal, sys
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -25,11 +35,11 @@ try:
     app()
 except BaseException:
     pass
-print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))
+print('LOADED', sorted(m for m in {HEAVY + NOT_FOR_READING!r} if m in sys.modules))
 """
 
 
-def _heavy_modules(env: dict[str, str], *args: str, run_for: float | None = None) -> list[str]:
+def _loaded_modules(env: dict[str, str], *args: str, run_for: float | None = None) -> list[str]:
     proc = subprocess.Popen(
         [sys.executable, "-c", PROBE, *args],
         env=env,
@@ -41,9 +51,9 @@ def _heavy_modules(env: dict[str, str], *args: str, run_for: float | None = None
         time.sleep(run_for)
         proc.terminate()
     stdout, stderr = proc.communicate(timeout=180)
-    line = [x for x in stdout.splitlines() if x.startswith("HEAVY ")]
+    line = [x for x in stdout.splitlines() if x.startswith("LOADED ")]
     assert line, stdout + stderr
-    return eval(line[-1].removeprefix("HEAVY "))  # noqa: S307 - a list literal we printed ourselves
+    return eval(line[-1].removeprefix("LOADED "))  # noqa: S307 - a list literal we printed ourselves
 
 
 @pytest.fixture
@@ -80,7 +90,22 @@ def test_command_imports_neither_torch_nor_transformers(env, tmp_path, args):
         aws = {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"}
         env = {**env, **aws, "VISBATCH_S3_ENDPOINT_URL": "http://127.0.0.1:1"}
         run_for = 8.0
-    assert _heavy_modules(env, *filled, run_for=run_for) == []
+    assert [m for m in _loaded_modules(env, *filled, run_for=run_for) if m in HEAVY] == []
+
+
+@pytest.mark.parametrize("command", ["status", "jobs", "results"])
+def test_reading_commands_load_no_orm_no_job_spec(env, tiny_model_dir, command):
+    """What keeps `visbatch status` near its floor (SQLAlchemy Core, typer): checked on a real
+    job in the embedded SQLite database."""
+    from storage.db import Database
+    from storage.repository import create_job
+    from storage.settings import Settings
+
+    db = Database(Settings(home=Path(env["VISBATCH_HOME"])).sqlalchemy_url())
+    db.upgrade()
+    job = create_job(db, {"prompts": ["hi"]})
+    args = [command] if command == "jobs" else [command, job]
+    assert _loaded_modules(env, *args) == []
 
 
 def test_the_splitting_child_imports_no_model_library_nor_sqlalchemy():

@@ -2,14 +2,17 @@
 
 It does two things for every command, so that no command has to: errors become one or two lines
 and an exit code (worker.cli_errors), and help reads plainly at 80 columns (arguments shown as
-`PATH...`, not Typer's `{PATH}... <list[Path]>`).
+`PATH...`, not Typer's `{PATH}... <list[Path]>`). It also loads some commands only when they
+are asked for (``lazy_commands``): the way click documents for a command whose module is heavy.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import Any, ClassVar
 
 import typer
+import typer.main
 from typer.core import TyperArgument, TyperGroup
 
 from worker.cli_errors import EXIT_INTERNAL, EXIT_USAGE, UserError, debug_enabled, explain, first_line, report
@@ -40,9 +43,24 @@ def _plain_arguments(command: Any) -> Any:
 class VisbatchGroup(TyperGroup):
     """The `visbatch` group: runs a command and turns what goes wrong into one or two lines."""
 
+    # Command name -> the module whose Typer ``app`` declares it, imported on first use. Listed
+    # first in help, in this order.
+    lazy_commands: ClassVar[dict[str, str]] = {}
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        eager = [name for name in super().list_commands(ctx) if name not in self.lazy_commands]
+        return [*self.lazy_commands, *eager]
+
     def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        if cmd_name not in self.commands and cmd_name in self.lazy_commands:
+            self._load(self.lazy_commands[cmd_name])
         command = super().get_command(ctx, cmd_name)
         return _plain_arguments(command) if command is not None else None
+
+    def _load(self, module_name: str) -> None:
+        built = typer.main.get_command(importlib.import_module(module_name).app)
+        commands = getattr(built, "commands", None)
+        self.commands.update(commands if commands is not None else {built.name or "": built})
 
     def invoke(self, ctx: Any) -> Any:
         try:

@@ -18,11 +18,32 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from worker.budget_options import token_lines
 from worker.results_export import place
 
 # In a pipe or a log, a progress line at most this often (seconds).
 PROGRESS_LINE_SECONDS = float(os.environ.get("VISBATCH_PROGRESS_SECONDS", "10"))
+
+
+def token_lines(tokens: dict | None) -> list[tuple[str, str]]:
+    """`visbatch status` / `results`: a job's tokens spent and saved (storage.token_report), as rows."""
+    if not tokens:
+        return []
+    spent, saved = tokens["spent"], tokens["saved"]
+    return [
+        (
+            "tokens spent",
+            f"visual {spent['visual']:,} (to the LM, all prompts: {spent['visual_to_lm']:,}), "
+            f"prompt {spent['prompt']:,}, completion {spent['completion']:,}",
+        ),
+        (
+            "tokens saved",
+            f"detail {saved['detail']:,}, skipped frames {saved['skipped_frames']:,} "
+            f"({tokens['units_skipped']} frames), cache hits {saved['cache_hits']:,} "
+            f"({tokens['cache_hit_units']} units, {tokens['identical_images']} identical images), "
+            f"pruning {saved['pruning']:,}, merging {saved['merging']:,}",
+        ),
+        ("visual tokens without budget", f"{tokens['without_budget']:,}"),
+    ]
 
 
 def is_terminal(stream: Any) -> bool:

@@ -42,10 +42,10 @@ def run_ingest(
     processes: int | None = None,
     overwrite: bool = False,
 ) -> None:
-    """The body of `visbatch ingest` (declared in worker.cli with the other commands' options)."""
+    """The body of `visbatch ingest` (declared in worker.cli_run with the other commands' options)."""
     from ingest.export import OutputFolderError, check_output_folder, export_sources
     from ingest.stage import expand_paths
-    from worker.cli import EXIT_FAILED, EXIT_PARTIAL
+    from worker.cli_errors import EXIT_FAILED, EXIT_PARTIAL
 
     try:
         check_output_folder(out_dir, overwrite)

@@ -1,0 +1,272 @@
+"""The commands that start work: `run`, `resume`, `submit`, `ingest` and `plan`.
+
+They live apart from worker.cli because their options are declared by the job spec (pydantic
+models, worker.cli_options, whose classes are built when imported): the command group imports
+this module only when one of them is asked for (or for the full `visbatch --help`), so that
+`status`, `jobs` and `results` do not pay for it. The shared pieces (the consoles, the runtime)
+come from worker.cli.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from worker.cli import JobId, console, make_runtime
+from worker.cli_errors import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_PARTIAL,
+    EXIT_UNAVAILABLE,
+    MODEL_FIX,
+    UserError,
+    first_line,
+)
+from worker.cli_inputs import chosen_files
+from worker.cli_options import JobOptions, job_options
+from worker.cli_output import print_preview, print_summary, progress_display, shown_path
+from worker.plan_cli import plan
+
+app = typer.Typer(rich_markup_mode=None, pretty_exceptions_enable=False)
+
+Paths = Annotated[
+    list[Path], typer.Argument(metavar="PATH", help="Files or folders (walked).", show_default=False)
+]
+
+
+def _model_origin(rt: Any, explicit: str | None) -> str:
+    if explicit:
+        return "--model"
+    origin = rt.settings.model_origin
+    if origin == "default":
+        return "the built-in default; `visbatch model use` changes it"
+    return origin if origin == "VISBATCH_MODEL" else shown_path(origin)
+
+
+def _prepare_model(rt: Any, explicit: str | None, *, weights: bool = True) -> None:
+    """Say which model the command uses, and fail in seconds, with the fix, when it cannot be
+    had: the token rule (its small JSON files) first, then the weights."""
+    console.print(f"model: {escape(rt.model_name)} (from {escape(_model_origin(rt, explicit))})")
+    # Loading bars of the hub and transformers are noise in a log; the model line says what loads.
+    # (Read when huggingface_hub is imported: before the token rule below imports it.)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    rt.token_rule  # noqa: B018 - ModelFilesUnavailable here is exit 4 with the fix (cli_errors)
+    if not weights:
+        return
+    try:
+        rt.adapter.visual_tokens(448, 448)
+    except Exception as exc:
+        raise UserError(
+            f"cannot load model {rt.model_name!r}: {first_line(exc)}", MODEL_FIX, EXIT_UNAVAILABLE
+        ) from exc
+
+
+_SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
+
+
+@contextlib.contextmanager
+def _stop_on_signals(run: Any) -> Iterator[None]:
+    """SIGINT and SIGTERM stop the run promptly (the job ends cancelled, its work kept); a second
+    signal exits at once."""
+    previous = {sig: signal.getsignal(sig) for sig in _SIGNAL_NAMES}
+
+    def handler(signum: int, _frame: Any) -> None:
+        if run.stop.is_set():
+            os._exit(128 + signum)
+        run.request_stop(f"interrupted by {_SIGNAL_NAMES[signal.Signals(signum)]}")
+
+    for sig in _SIGNAL_NAMES:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _exit_for(status: str) -> None:
+    if status != "succeeded":
+        raise typer.Exit(EXIT_PARTIAL if status == "partial" else EXIT_FAILED)
+
+
+def _results_hint(job_id: str) -> str:
+    return (
+        f"all answers: visbatch results {job_id}  (--format csv|parquet -o FILE, "
+        f"--by-document DIR; status: visbatch status {job_id})"
+    )
+
+
+MetricsPort = Annotated[
+    int | None,
+    typer.Option(metavar="PORT", help="Serve Prometheus metrics of this run on PORT (off by default)."),
+]
+
+
+def _run_embedded(rt: Any, start: Any, metrics_port: int | None = None) -> None:
+    """Run (or resume) a job in this process with progress; print its id on stdout before any
+    work starts, its summary, first answers and the results command on stderr at the end; exit
+    with the job's status code."""
+    from storage import repository as repo
+    from worker.embedded import EmbeddedRun
+
+    job: dict[str, str] = {}
+
+    def on_job(job_id: str) -> None:
+        job["id"] = job_id
+        print(job_id, flush=True)  # stdout: a script can always resume or inspect it
+        console.print(f"job {job_id} started")
+
+    with progress_display(console) as progress:
+        embedded = EmbeddedRun(rt, progress)
+        if metrics_port is not None:
+            from worker import metrics
+
+            metrics.serve(
+                metrics_port,
+                host="127.0.0.1",
+                collectors=[
+                    metrics.job_states(rt.settings.sqlalchemy_url()),
+                    metrics.QueueDepthCollector(embedded.queue_depths),
+                ],
+            )
+        with _stop_on_signals(embedded):
+            start(embedded, on_job)
+    summary = repo.job_summary(rt.db, job["id"])
+    print_summary(console, summary)
+    done = embedded.work_done()
+    console.print(
+        f"this run: {done['split']} pages/frames split, {done['tower_images']} images through the "
+        f"vision tower, {done['answers']} answers generated"
+    )
+    if embedded.stop_reason is not None:
+        console.print(
+            f"stopped: job {job['id']} cancelled ({escape(embedded.stop_reason)}); finished work is kept. "
+            f"Resume with: visbatch resume {job['id']}"
+        )
+        raise typer.Exit(EXIT_INTERRUPTED)
+    prompts = list(summary["spec"].get("prompts") or [])
+    print_preview(console, job["id"], prompts, repo.preview_results(rt.db, job["id"], per_prompt=3))
+    console.print(_results_hint(job["id"]))
+    _exit_for(summary["status"])
+
+
+@app.command()
+@job_options()
+def run(paths: Paths, job: JobOptions, metrics_port: MetricsPort = None) -> None:
+    """Run a job in this process (embedded shape). Prints the job id on stdout first; progress,
+    the summary and the first answers go to stderr. Exit 0 when every page/frame was answered,
+    1 partial, 2 bad input, 3 failed, 4 model or database unavailable, 130 interrupted."""
+    spec = job.spec()
+    files = chosen_files(paths, job)
+    rt = make_runtime(job.model)
+    _prepare_model(rt, job.model)
+    _run_embedded(rt, lambda embedded, on_job: embedded.run(files, spec, on_job), metrics_port)
+
+
+@app.command()
+def resume(job: JobId, metrics_port: MetricsPort = None) -> None:
+    """Continue a stopped job (cancelled, interrupted, failed or partial) in place: no page
+    rendered or image encoded twice, only the missing answers generated."""
+    from storage import repository as repo
+
+    rt = make_runtime(None)
+    full_id = repo.resolve_job_id(rt.db, job)
+    state = repo.job_state(rt.db, full_id)
+    assert state is not None
+    if state[0] == "succeeded":
+        raise UserError(
+            f"job {full_id} succeeded: nothing to resume", f"its answers: visbatch results {full_id}"
+        )
+    model = state[1].get("model")
+    rt = make_runtime(model)
+    _prepare_model(rt, model)
+    _run_embedded(rt, lambda embedded, on_job: embedded.resume(full_id, on_job), metrics_port)
+
+
+@app.command()
+@job_options()
+def submit(
+    inputs: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="INPUT",
+            help="Files, folders, s3://bucket/key or s3://bucket/prefix/.",
+            show_default=False,
+        ),
+    ],
+    job: JobOptions,
+    wait: Annotated[bool, typer.Option("--wait", help="Show progress until the job ends.")] = False,
+) -> None:
+    """Send a job to the fleet (Celery workers); prints its id. Local files are uploaded to the store."""
+    from worker.submit import submit_job
+
+    spec = job.spec()
+    local = [Path(item) for item in inputs if not item.startswith("s3://")]
+    files = [str(path) for path in chosen_files(local, job)] if local else []
+    remote = [item for item in inputs if item.startswith("s3://")]
+    rt = make_runtime(job.model)
+    job_id = submit_job(rt, files + remote, spec)
+    print(job_id, flush=True)
+    if wait:
+        _wait(rt, job_id)
+    else:
+        console.print(f"follow it: visbatch status {job_id}; answers: visbatch results {job_id}")
+
+
+def _wait(rt: Any, job_id: str) -> None:
+    from storage import repository as repo
+    from worker.submit import wait_for_job
+
+    with progress_display(console) as progress:
+
+        def show(s: dict) -> None:
+            prompts = len(s["spec"]["prompts"])
+            done = s["units_total"] - s.get("units_pending", 0)
+            progress.update("units", max(0, done), s["units_total"] or None)
+            progress.update(
+                "generate", s["results"] + s["results_failed"], (s["units_total"] * prompts) or None
+            )
+
+        summary = wait_for_job(rt, job_id, show)
+    print_summary(console, summary)
+    prompts = list(summary["spec"].get("prompts") or [])
+    print_preview(console, job_id, prompts, repo.preview_results(rt.db, job_id, per_prompt=3))
+    console.print(_results_hint(job_id))
+    _exit_for(summary["status"])
+
+
+@app.command()
+@job_options("inputs", "model", "ingest")
+def ingest(
+    paths: Paths,
+    job: JobOptions,
+    out_dir: Annotated[
+        Path, typer.Option("--out", metavar="DIR", help="Folder for the page and frame images.")
+    ],
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace --out if it holds a previous ingest.")
+    ] = False,
+    processes: Annotated[
+        int | None,
+        typer.Option(min=1, metavar="N", help="Processes rendering a PDF's pages (default: the CPU cores)."),
+    ] = None,
+) -> None:
+    """Split sources into page and frame images (PNG) and a manifest.jsonl: the ingest stage alone.
+    No GPU, no weights; visual-token counts when a model is named (--model or VISBATCH_MODEL).
+
+    Exit 0 when every source and unit was written, 1 when some failed, 3 when none was, 2 for a
+    usage error, 130 when interrupted (--out is then left as it was)."""
+    from worker.ingest_cli import run_ingest
+
+    files = chosen_files(paths, job)
+    run_ingest(files, out_dir, job.model, job.ingest(), processes=processes, overwrite=overwrite)
+
+
+app.command("plan")(plan)
