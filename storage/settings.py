@@ -134,16 +134,10 @@ class Setting(Generic[_T]):
         return value
 
 
-def setting(
-    default: Any,
-    *,
-    description: str,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-) -> Any:
-    """Declare a setting (typed ``Any`` so that ``port: int = setting(...)`` reads as an int)."""
-    return Setting(default, description=description, ge=ge, gt=gt, le=le)
+def setting(default: Any, **declaration: Any) -> Any:
+    """Declare a setting: a Setting, typed ``Any`` so that ``port: int = setting(9808, ...)``
+    type-checks as the int it holds on an instance."""
+    return Setting(default, **declaration)
 
 
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "text", Path: "a path"}
