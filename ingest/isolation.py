@@ -44,7 +44,7 @@ class StoredUnit:
 
 
 class IsolatedSplitter:
-    """Drives one child process; not thread-safe (use one per thread)."""
+    """Drives one child process; not thread-safe (use one per thread), but for ``kill``."""
 
     def __init__(
         self,
@@ -141,7 +141,17 @@ class IsolatedSplitter:
         line, self._buffer = self._buffer.split(b"\n", 1)
         return json.loads(line)
 
+    def kill(self) -> None:
+        """Stop the child now, from any thread (a stopping run). The thread reading from it sees
+        its pipe close and cleans up; closing the pipe here instead would take it out of that
+        thread's select, which then slept out the unit timeout (the forked page renderers still
+        held the pipe open for a moment after the child was reaped)."""
+        proc = self._proc
+        if proc is not None:
+            proc.kill()
+
     def close(self) -> None:
+        """Kill the child and close its pipes: from the thread that uses this splitter."""
         if self._proc is not None:
             self._proc.kill()  # the processes it forked to render pages die with it (ingest.spread)
             self._proc.wait()

@@ -339,7 +339,7 @@ class EmbeddedRun:
         self.stop.wait()
         if self.stop_reason is not None or self._failure is not None:
             generate.abort_all()
-            self.rt.close_splitters()
+            self.rt.kill_splitters()
 
     def _finish(self, job_id: str, generate: GenerateService) -> None:
         state = repo.job_state(self.rt.db, job_id)

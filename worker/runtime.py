@@ -171,12 +171,19 @@ class Runtime:
         # process or as a server; transformers runs static batches, so a few batches' worth to pack from.
         return 256 if self.engine.name in ("vllm", "openai") else 4 * self.settings.max_batch_size
 
-    def close_splitters(self) -> None:
+    def kill_splitters(self) -> None:
         """Kill every splitting child (from any thread): a stopping run ends its renders at once."""
-        with self._lock:
-            splitters = list(self._splitters)
-        for splitter in splitters:
+        for splitter in self._all_splitters():
+            splitter.kill()
+
+    def close_splitters(self) -> None:
+        """Kill and close every splitting child, once no thread reads from them (the run's end)."""
+        for splitter in self._all_splitters():
             splitter.close()
+
+    def _all_splitters(self) -> list[IsolatedSplitter]:
+        with self._lock:
+            return list(self._splitters)
 
     def close(self) -> None:
         self.close_splitters()
