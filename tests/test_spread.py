@@ -127,7 +127,7 @@ def test_rendering_processes_die_with_their_parent_even_by_sigkill(tmp_path: Pat
         from ingest.spec import IngestOptions
         from ingest.spread import spread_units
         def stall(unit):
-            print(os.getpid(), flush=True)
+            os.write(1, b"pid %d\\n" % os.getpid())  # one write: the two never interleave
             time.sleep(3600)
         list(spread_units({str(pdf)!r}, "pdf", IngestOptions(longest_side=100), stall, processes=2))
         """
@@ -135,10 +135,17 @@ def test_rendering_processes_die_with_their_parent_even_by_sigkill(tmp_path: Pat
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     assert parent.stdout is not None
-    workers = [int(parent.stdout.readline()) for _ in range(2)]
-    assert all(psutil.pid_exists(pid) for pid in workers)
-    parent.kill()
-    parent.wait()
+    try:
+        workers: list[int] = []
+        while len(workers) < 2:
+            line = parent.stdout.readline()
+            assert line, "the script ended before both processes started"
+            if line.startswith("pid "):  # anything else a library prints on stdout is not a pid
+                workers.append(int(line.split()[1]))
+        assert all(psutil.pid_exists(pid) for pid in workers)
+    finally:
+        parent.kill()  # even when the test fails: a stalled parent must not outlive it
+        parent.wait()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_alive(pid) for pid in workers):
         time.sleep(0.1)
