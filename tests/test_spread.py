@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from ingest.spec import IngestOptions
 from ingest.spread import spread_units
 from ingest.stage import image_hash
 from ingest.units import RenderedImage, SourceError, UnitFailure
-from tests.media import write_encrypted_pdf, write_pdf, write_video
+from tests.media import write_encrypted_pdf, write_pdf, write_slow_pdf, write_video
 
 OPTIONS = IngestOptions(longest_side=200)
 
@@ -167,6 +168,26 @@ def test_the_sandboxed_child_spreads_pages_the_same_way(tmp_path: Path) -> None:
             units = [u for u in splitter.split(pdf, OPTIONS) if isinstance(u, StoredUnit)]
         results[processes] = [json.dumps(u.__dict__, sort_keys=True) for u in units]
     assert len(results[1]) == 6 and results[3] == results[1]
+
+
+def test_a_kill_from_another_thread_ends_the_read_at_once(tmp_path: Path) -> None:
+    """How a stopping run stops its renders: kill() from the stop watcher's thread while this
+    thread waits for the next page. The read ends with the child's death, not at the unit
+    timeout (closing the pipe under the reader's select made it sleep the timeout out)."""
+    pdf = write_slow_pdf(tmp_path / "slow.pdf", pages=6)  # ~4 s to split at 1800 px
+    store = f"file://{tmp_path / 'store'}"
+    splitter = IsolatedSplitter(store, limits=Limits(unit_timeout_s=120), processes=2)
+    items = splitter.split(pdf, IngestOptions(longest_side=1800))
+    next(items)  # the source's facts: the child is rendering
+    killer = threading.Timer(0.2, splitter.kill)
+    killer.start()
+    started = time.monotonic()
+    with pytest.raises(SourceError, match="signal 9"):
+        for _ in items:
+            pass
+    assert time.monotonic() - started < 30  # the unit timeout (120 s) is what the bug waited for
+    killer.join()
+    splitter.close()
 
 
 def collect_then_describe(unit: RenderedImage | UnitFailure) -> dict:
