@@ -172,8 +172,8 @@ def _token_counter(name: str) -> Column[int]:
     return Column(name, BigInteger, nullable=False, default=0, server_default="0")
 
 
-def _created_at() -> Column[datetime]:
-    return Column("created_at", UTCDateTime, nullable=False, default=utcnow)
+def _created_at(**extra: Any) -> Column[datetime]:
+    return Column("created_at", UTCDateTime, nullable=False, default=utcnow, **extra)
 
 
 def _updated_at() -> Column[datetime]:
@@ -188,7 +188,7 @@ JOBS = Table(
     "jobs",
     METADATA,
     Column("id", String(32), primary_key=True, default=new_job_id),
-    Column("created_at", UTCDateTime, nullable=False, default=utcnow, index=True),
+    _created_at(index=True),
     _updated_at(),
     Column("finished_at", UTCDateTime, nullable=True),
     _status(JobStatus.QUEUED, index=True),

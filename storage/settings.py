@@ -17,7 +17,7 @@ import typing
 from functools import cached_property
 from pathlib import Path
 from types import NoneType, UnionType
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 DEFAULT_MODEL = "Qwen/Qwen2-VL-2B-Instruct"
 # $VISBATCH_HOME/config.json: defaults recorded for this folder (`visbatch model use`).
@@ -52,7 +52,6 @@ def write_home_config(home: Path, **values: Any) -> Path:
 
 
 ENV_PREFIX = "VISBATCH_"
-_T = TypeVar("_T")
 _TRUE = frozenset({"1", "true", "yes", "on", "t", "y"})
 _FALSE = frozenset({"0", "false", "no", "off", "f", "n"})
 
@@ -85,12 +84,12 @@ class SecretStr:
         return hash(self._value)
 
 
-class Setting(Generic[_T]):
+class Setting:
     """The declaration of one setting (a class attribute of Settings; instances hold values)."""
 
     def __init__(
         self,
-        default: _T,
+        default: Any,
         *,
         description: str,
         ge: float | None = None,
@@ -286,7 +285,7 @@ class Settings:
         unknown = sorted(set(values) - set(SETTINGS))
         if unknown:
             raise TypeError(f"unknown setting(s): {', '.join(unknown)}")
-        hints = _hints()
+        hints = _HINTS
         given: set[str] = set()
         for name, declared in SETTINGS.items():
             if name in values:
@@ -336,16 +335,9 @@ class Settings:
 
 
 # Every declared setting, by name, in declaration order.
-SETTINGS: dict[str, Setting[Any]] = {
+SETTINGS: dict[str, Setting] = {
     name: value for name, value in vars(Settings).items() if isinstance(value, Setting)
 }
 
-
-def _hints() -> dict[str, Any]:
-    global _HINTS
-    if _HINTS is None:
-        _HINTS = typing.get_type_hints(Settings)
-    return _HINTS
-
-
-_HINTS: dict[str, Any] | None = None
+# Their declared types (the annotations are strings under `from __future__ import annotations`).
+_HINTS: dict[str, Any] = typing.get_type_hints(Settings)

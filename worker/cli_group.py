@@ -58,9 +58,8 @@ class VisbatchGroup(TyperGroup):
         return _plain_arguments(command) if command is not None else None
 
     def _load(self, module_name: str) -> None:
-        built = typer.main.get_command(importlib.import_module(module_name).app)
-        commands = getattr(built, "commands", None)
-        self.commands.update(commands if commands is not None else {built.name or "": built})
+        # A Typer app of several commands builds a group: its commands join this one.
+        self.commands.update(typer.main.get_group(importlib.import_module(module_name).app).commands)
 
     def invoke(self, ctx: Any) -> Any:
         try:
