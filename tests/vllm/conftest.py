@@ -35,6 +35,10 @@ def require_vllm() -> None:
 # CPU settings: 0.2 of host memory for weights + KV cache is plenty for the tiny model; eager mode
 # skips torch.compile (tens of seconds at start-up, nothing gained on a 2-layer model).
 TEST_OPTIONS = dict(gpu_memory_utilization=0.2, max_model_len=4096, max_num_seqs=32, enforce_eager=True)
+# The server takes longer answers: the abort test needs a generation that outlasts the server's
+# lag in noticing a closed connection (its API process trails its engine core by seconds on two
+# busy cores), and the tiny model's KV cache is small at any length.
+SERVER_OPTIONS = {**TEST_OPTIONS, "max_model_len": 16384}
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +83,7 @@ def vllm_server(vllm_model_dir, vllm_adapter, tmp_path_factory) -> Iterator:
     from worker.engines.openai_engine import vllm_serve_args
 
     log_path = tmp_path_factory.mktemp("vllm-serve") / "server.log"
-    server = VLLMServer(vllm_model_dir, vllm_serve_args(vllm_adapter), TEST_OPTIONS, log_path)
+    server = VLLMServer(vllm_model_dir, vllm_serve_args(vllm_adapter), SERVER_OPTIONS, log_path)
     try:
         server.wait_ready()
         yield server
