@@ -129,7 +129,7 @@ class JSONDocument(TypeDecorator[Any]):
             from sqlalchemy.dialects.postgresql import JSONB
 
             return dialect.type_descriptor(JSONB(none_as_null=True))
-        return dialect.type_descriptor(JSON(none_as_null=True))
+        return super().load_dialect_impl(dialect)  # impl: JSON(none_as_null=True)
 
 
 # 64-bit keys on PostgreSQL (a fleet can write billions of results); SQLite only autoincrements
