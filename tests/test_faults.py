@@ -15,7 +15,7 @@ from tests.faults import FlakyS3Proxy, RedisServer, TCPProxy
 from tests.fleet_harness import Fleet
 from tests.media import write_pdf, write_slow_pdf
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("redis_url")]
+pytestmark = [pytest.mark.slow, pytest.mark.fleet, pytest.mark.faults, pytest.mark.usefixtures("redis_url")]
 
 PROMPTS = ["-p", "What is on this page?", "-p", "Any table?"]
 

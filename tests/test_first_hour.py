@@ -166,6 +166,7 @@ def test_4_include_and_exclude_choose_the_files(tmp_path):
 
 
 # 5 ---------------------------------------------------------------------------------------------
+@pytest.mark.signals
 def test_5_ctrl_c_says_the_job_and_the_status_table_says_why(home, tmp_path):
     pdf = write_slow_pdf(tmp_path / "slow.pdf", pages=30)
     env = _env(home, VISBATCH_MAX_BATCH_SIZE="1")

@@ -12,7 +12,7 @@ import pytest
 from tests.fleet_harness import DB_PASSWORD, Fleet
 from tests.media import write_pdf, write_video
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("redis_url")]
+pytestmark = [pytest.mark.slow, pytest.mark.fleet, pytest.mark.usefixtures("redis_url")]
 
 PROMPTS = ["-p", "What is on this page?", "-p", "Is there a table? Answer yes or no."]
 
@@ -51,6 +51,7 @@ def test_two_workers_two_jobs(fleet, tmp_path):
     assert DB_PASSWORD not in fleet.logs(tail=10**7)
 
 
+@pytest.mark.faults
 def test_generate_worker_killed_mid_batch(fleet, tmp_path):
     """SIGKILL during generation: the batch's messages were not acked, another worker redoes them;
     upserts keep one result per unit and prompt, and the job still closes."""

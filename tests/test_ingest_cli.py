@@ -202,6 +202,7 @@ def test_several_processes_write_the_same_images_in_page_order(tmp_path: Path) -
         assert (outs["3"] / record["file"]).read_bytes() == (outs["1"] / record["file"]).read_bytes()
 
 
+@pytest.mark.signals
 def test_ctrl_c_leaves_out_as_it_was(tmp_path: Path) -> None:
     pdf = write_slow_pdf(tmp_path / "slow.pdf", pages=60)
     out = tmp_path / "out"

@@ -120,6 +120,7 @@ def test_the_splitting_child_imports_no_model_library_nor_sqlalchemy():
 
 
 @pytest.mark.slow
+@pytest.mark.fleet
 def test_an_ingest_worker_never_loads_torch(tmp_path, tiny_model_dir, postgres_url, redis_url):
     """A real `visbatch worker --queues ingest` ingests a job; neither it nor its pool processes map
     libtorch (read from /proc: what the processes really hold, not what Python says)."""

@@ -52,6 +52,7 @@ def _wait_for(condition, fleet: Fleet, timeout: float = 240) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.fleet
 def test_live_workers_expose_moving_counters(tmp_path, tiny_model_dir, postgres_url, redis_url):
     fleet = Fleet(tmp_path, tiny_model_dir, postgres_url)
     try:

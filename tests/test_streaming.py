@@ -105,6 +105,7 @@ def test_a_page_reaches_its_answer_while_later_pages_still_render(settings_facto
     rt.close()
 
 
+@pytest.mark.signals
 def test_resume_after_sigkill_mid_generate(env, tmp_path):
     """SIGKILL while answers are being stored; `visbatch resume` renders no page and encodes no image
     again, generates only the missing answers, and ends with exactly one result per unit and prompt."""
@@ -137,6 +138,7 @@ def test_resume_after_sigkill_mid_generate(env, tmp_path):
     db.dispose()
 
 
+@pytest.mark.signals
 def test_sigterm_cancels_the_job_and_resume_finishes_it(env, tmp_path):
     pdf = write_slow_pdf(tmp_path / "slow.pdf", pages=30)
     proc = _start(env, "run", str(pdf), "-p", "Hi", "--max-new-tokens", "8", "--longest-side", "448")
