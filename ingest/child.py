@@ -4,10 +4,14 @@ PDF and video parsers are large C libraries fed untrusted bytes; here a crash, a
 allocation or an endless loop costs this process only, and the worker that drives it records
 a clear error on the source and goes on. Requests and replies are JSON lines (no pickle):
 
-  request:  {"path", "options", "limits", "store_url", "endpoint_url", "processes" (optional, 1),
+  request:  {"id", "path", "options", "limits", "store_url", "endpoint_url", "processes" (optional, 1),
              "selection" (optional: a range of a PDF's pages, ingest.units.UnitSelection)}
   replies:  {"source": {kind, sha256, size, units}}, then {"unit": {...}} | {"failure": {...}} ...,
             then {"done": true}; or {"source_error": "..."} at any point
+
+Every reply carries `"request": id`, and every unit and failure the source's `"sha256"`: the
+reader checks both, so a reply left over from an abandoned request can never pass for a page
+of the next source (the reader also kills a child whose request it stops reading early).
 
 Detection runs here too: it hands the bytes to FFmpeg, which is as exposed as any decoder.
 With "processes" > 1 the pages of a PDF are rendered by that many processes forked from this
@@ -43,6 +47,11 @@ def _store(url: str, endpoint_url: str | None, pid: int) -> ObjectStore:
 
 
 def _split(request: dict[str, Any], out: TextIO) -> None:
+    request_id = request.get("id")
+
+    def reply(message: dict[str, Any]) -> None:
+        out.write(json.dumps({**message, "request": request_id}) + "\n")
+
     limits = Limits(**request["limits"])
     options = IngestOptions(**request["options"])
     path = Path(request["path"])
@@ -51,25 +60,23 @@ def _split(request: dict[str, Any], out: TextIO) -> None:
         kind = detect_kind(path)
         sha256, size = file_sha256(path)
         units = planned_units(path, kind, options, limits)
-        out.write(
-            json.dumps({"source": {"kind": kind, "sha256": sha256, "size": size, "units": units}}) + "\n"
-        )
+        reply({"source": {"kind": kind, "sha256": sha256, "size": size, "units": units}})
         store = partial(_stored, request["store_url"], request.get("endpoint_url"), kind)
         processes = int(request.get("processes", 1))
         replies = spread_units(
             path, kind, options, store, limits=limits, processes=processes, selection=selection
         )
-        for reply in replies:
-            out.write(json.dumps(reply) + "\n")
-        out.write(json.dumps({"done": True}) + "\n")
+        for record in replies:
+            for body in record.values():  # {"unit": {...}} or {"failure": {...}}
+                body["sha256"] = sha256
+            reply(record)
+        reply({"done": True})
     except SourceError as exc:
-        out.write(json.dumps({"source_error": str(exc)}) + "\n")
+        reply({"source_error": str(exc)})
     except MemoryError:
-        out.write(
-            json.dumps({"source_error": f"out of memory (over {limits.memory_bytes >> 20} MiB)"}) + "\n"
-        )
+        reply({"source_error": f"out of memory (over {limits.memory_bytes >> 20} MiB)"})
     except Exception as exc:  # a parser bug on a hostile file: that source fails, the process goes on
-        out.write(json.dumps({"source_error": f"{type(exc).__name__}: {exc}"}) + "\n")
+        reply({"source_error": f"{type(exc).__name__}: {exc}"})
     out.flush()
 
 

@@ -3,6 +3,13 @@
 A hostile file must not crash or hang the worker: the child (ingest.child) renders, stores
 and reports each unit; if it dies, or stays silent longer than the unit timeout, it is killed,
 the source fails with a clear message, and the next source gets a fresh child.
+
+The child lives across sources, so its replies must never be read as another source's: each
+request has its own id, which every reply carries (with the source's hash on each unit), and a
+request that is not read to its end (its reader raised, returned early, or was dropped) kills
+the child. A reply that does not match is `SplitterOutOfStep`: the child is killed and the
+error raised, never a unit stored (issue 19: a broker restart mid-source once handed the next
+job the last one's pages).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import selectors
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,6 +28,7 @@ from pathlib import Path
 from ingest.limits import Limits
 from ingest.spec import IngestOptions
 from ingest.units import SourceError, SourceKind, UnitFailure, UnitSelection
+from storage.errors import TransientFault
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,11 @@ class StoredUnit:
     signature: str | None = None  # video frames: 32x32 RGB thumbnail (ingest.frames), for skipping
 
 
+class SplitterOutOfStep(TransientFault):
+    """A reply of the splitting child that does not belong to the request being read: an internal
+    fault, not the source's. The child is killed; a retry splits the source again in a fresh one."""
+
+
 class IsolatedSplitter:
     """Drives one child process; not thread-safe (use one per thread), but for ``kill``."""
 
@@ -60,6 +74,7 @@ class IsolatedSplitter:
         self.processes = processes  # the pages of one PDF are rendered by this many processes
         self._proc: subprocess.Popen | None = None
         self._buffer = b""
+        self._reading: str | None = None  # the request whose replies are not all read yet
 
     def _child(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
@@ -82,8 +97,14 @@ class IsolatedSplitter:
 
         Raises SourceError when the source (or the child) fails; units reported before stay valid.
         """
+        if self._reading is not None or self._buffer:
+            # The last request was never read to its end (its reader kept the generator but
+            # stopped): the child may still be sending its replies. Never read them as ours.
+            self.close()
         proc = self._child()
+        request_id = self._reading = uuid.uuid4().hex
         request = {
+            "id": request_id,
             "path": str(path),
             "options": options.model_dump(mode="json"),
             "limits": asdict(self.limits),
@@ -99,22 +120,45 @@ class IsolatedSplitter:
             self.close()
             raise SourceError("the ingest process died before starting this source") from None
         done = 0
-        with selectors.DefaultSelector() as selector:
-            selector.register(proc.stdout.fileno(), selectors.EVENT_READ)
-            while True:
-                reply = self._next_reply(proc, selector, done)
-                if "source" in reply:
-                    yield SourceInfo(**reply["source"])
-                elif "unit" in reply:
-                    done += 1
-                    yield StoredUnit(**reply["unit"])
-                elif "failure" in reply:
-                    done += 1
-                    yield UnitFailure(**reply["failure"])
-                elif "source_error" in reply:
-                    raise SourceError(reply["source_error"])
-                else:
-                    return
+        finished = False  # the child's last reply to this request was read
+        sha256: str | None = None
+        try:
+            with selectors.DefaultSelector() as selector:
+                selector.register(proc.stdout.fileno(), selectors.EVENT_READ)
+                while True:
+                    reply = self._next_reply(proc, selector, done)
+                    if reply.pop("request", None) != request_id:
+                        raise SplitterOutOfStep(
+                            f"the splitting process answered another request while splitting {path.name}"
+                        )
+                    if "source" in reply and sha256 is None:
+                        sha256 = reply["source"]["sha256"]
+                        yield SourceInfo(**reply["source"])
+                    elif "unit" in reply or "failure" in reply:
+                        kind = "unit" if "unit" in reply else "failure"
+                        body = reply[kind]
+                        if sha256 is None or body.pop("sha256", None) != sha256:
+                            raise SplitterOutOfStep(
+                                f"a {kind} of another file was reported while splitting {path.name}"
+                            )
+                        done += 1
+                        yield StoredUnit(**body) if kind == "unit" else UnitFailure(**body)
+                    elif "source_error" in reply:
+                        finished = True
+                        raise SourceError(reply["source_error"])
+                    elif reply.get("done"):
+                        finished = True
+                        return
+                    else:
+                        raise SplitterOutOfStep(f"an unexpected reply while splitting {path.name}")
+        finally:
+            if self._reading == request_id:
+                self._reading = None
+                if not finished and self._proc is proc:
+                    # Abandoned mid-source (the consumer raised or stopped early, or a reply did
+                    # not match): the child would go on sending this source's replies, and the
+                    # next request would read them. Kill it; the next request starts a fresh one.
+                    self.close()
 
     def _next_reply(self, proc: subprocess.Popen, selector: selectors.BaseSelector, done: int) -> dict:
         # Raw reads and our own line buffer: a buffered reader could hold a whole reply that
@@ -159,6 +203,8 @@ class IsolatedSplitter:
                 if stream is not None:
                     stream.close()
             self._proc = None
+        self._buffer = b""
+        self._reading = None
 
     def __enter__(self) -> IsolatedSplitter:
         return self

@@ -10,6 +10,12 @@ from __future__ import annotations
 
 from functools import cache
 
+
+class TransientFault(RuntimeError):
+    """A fault of visbatch's own machinery that a fresh try does not meet (a helper process out of
+    step, killed and restarted): retried like a service that was down, never a unit's failure."""
+
+
 # S3 error codes that mean "try again later", not "this request is wrong".
 _RETRYABLE_S3_CODES = frozenset(
     {
@@ -59,7 +65,7 @@ def transient_types() -> tuple[type[BaseException], ...]:
 
 def is_transient(exc: BaseException) -> bool:
     """True for an error that a later try may not meet (a service down, slow or throttling)."""
-    if isinstance(exc, transient_types()):
+    if isinstance(exc, (TransientFault, *transient_types())):
         return True
     import sqlalchemy.exc
 

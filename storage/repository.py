@@ -43,7 +43,7 @@ from storage.sources import (
     source_state,
     stored_unit_indexes,
 )
-from storage.sql import JobNotFound, NotFound, SourceNotFound
+from storage.sql import JobNotFound, NotFound, SourceChanged, SourceNotFound
 from storage.units import (
     add_units,
     fail_units,
@@ -65,6 +65,7 @@ __all__ = [
     "NotFound",
     "ReopenedJob",
     "ResultRow",
+    "SourceChanged",
     "SourceNotFound",
     "SourceState",
     "StartedJob",

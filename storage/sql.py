@@ -61,6 +61,10 @@ class SourceNotFound(NotFound):
     pass
 
 
+class SourceChanged(ValueError):
+    """Units of a file other than the one the source's first units came from (storage.units)."""
+
+
 def chunks(items: Sequence[_T], size: int = IN_CHUNK) -> Iterator[Sequence[_T]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
@@ -137,7 +141,11 @@ def lock_units(session: Connection, unit_ids: Iterable[int]) -> list[Row[Any]]:
 
 
 def lock_source(session: Connection, source_id: int) -> Row[Any]:
-    stmt = select(SOURCES.c.job_id, SOURCES.c.status).where(SOURCES.c.id == source_id).with_for_update()
+    stmt = (
+        select(SOURCES.c.job_id, SOURCES.c.status, SOURCES.c.sha256)
+        .where(SOURCES.c.id == source_id)
+        .with_for_update()
+    )
     row = session.execute(stmt).one_or_none()
     if row is None:
         raise SourceNotFound(f"no source {source_id}")

@@ -18,6 +18,7 @@ from storage.models import SOURCES, UNITS, UnitStatus
 from storage.rows import UnitRow, UnitTask
 from storage.sql import (
     UNFINISHED_UNITS,
+    SourceChanged,
     bump,
     chunks,
     count_down_jobs,
@@ -94,11 +95,16 @@ def _unit_deltas(before: Mapping[int, Row[Any]], rows: Sequence[UnitRow]) -> dic
     return deltas
 
 
-def add_units(db: Database, job_id: str, source_id: int, rows: Sequence[UnitRow]) -> list[int]:
+def add_units(
+    db: Database, job_id: str, source_id: int, rows: Sequence[UnitRow], *, sha256: str | None = None
+) -> list[int]:
     """Upsert a source's units on (source_id, index); returns their ids in the order of ``rows``.
 
     A row with ``error`` is stored failed. Units already encoded or done are left untouched, so
     a re-run ingest never throws away work; pending or failed ones take the new values.
+    ``sha256`` is the hash of the file the rows were rendered from: the first rows pin it on the
+    source, and rows of another file (the object replaced between two page ranges) are refused
+    with SourceChanged, never stored beside the first file's pages.
     """
     if not rows:
         return []
@@ -109,6 +115,13 @@ def add_units(db: Database, job_id: str, source_id: int, rows: Sequence[UnitRow]
         source = lock_source(session, source_id)
         if source.job_id != job_id:
             raise ValueError(f"source {source_id} belongs to job {source.job_id}, not {job_id}")
+        if sha256 is not None and source.sha256 != sha256:
+            if source.sha256 is not None:
+                raise SourceChanged(
+                    f"the file changed while it was being split (sha256 {source.sha256[:12]}... "
+                    f"then {sha256[:12]}...): submit it again as a new job"
+                )
+            session.execute(update(SOURCES).where(SOURCES.c.id == source_id).values(sha256=sha256))
         before_stmt = select(UNITS.c.unit_index, UNITS.c.status, UNITS.c.visual_tokens).where(
             UNITS.c.source_id == source_id
         )

@@ -19,10 +19,10 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from ingest.budget_rows import SourceBudget
-from ingest.isolation import SourceInfo
+from ingest.isolation import SourceInfo, SplitterOutOfStep, StoredUnit
 from ingest.spec import JobSpec
 from ingest.stage import check_source
-from ingest.units import SourceError, UnitSelection
+from ingest.units import SourceError, UnitFailure, UnitSelection
 from storage import repository as repo
 from storage.rows import UnitRow, UnitTask
 from worker import metrics
@@ -50,6 +50,7 @@ class _Chunks:
         self.rt, self.job_id, self.source_id, self.uri = rt, job_id, source_id, uri
         self.on_units = on_units
         self.kind: str | None = None
+        self.sha256: str | None = None  # the file the rows come from (pinned on the source)
         self.rows: list[UnitRow] = []
         self.first_at = 0.0
         self.stored = 0
@@ -65,7 +66,7 @@ class _Chunks:
         if not self.rows:
             return
         rows, self.rows = self.rows, []
-        ids = repo.add_units(self.rt.db, self.job_id, self.source_id, rows)
+        ids = repo.add_units(self.rt.db, self.job_id, self.source_id, rows, sha256=self.sha256)
         self.stored += len(rows)
         for row in rows:
             outcome = "failed" if row.error else "skipped" if row.skip_reason else "ok"
@@ -151,28 +152,36 @@ def ingest_source(
     error: str | None = None
     try:
         check_source(path, rt.limits)
-        items = rt.splitter().split(path, spec.ingest, selection)
-        first = next(items)
-        assert isinstance(first, SourceInfo)
-        info = first
-        chunks.kind = info.kind
-        # The job's visual-token budget: bounds per unit, skipped frames, the per-video cap.
-        budget = SourceBudget.for_job(spec, rt.token_rule)
-        timed = time_budget is not None and info.units is not None and not selection.skip
-        for row in budget.rows(items, info.kind, rt.limits.max_visual_tokens):
-            chunks.add(row)
-            seen += 1
-            if stop is not None and stop.is_set():
-                step.stopped = True
-                break
-            if timed and time.monotonic() - started > time_budget and seen < _range_size(selection, info):
-                rt.splitter().close()  # the child would render the rest of the range for nothing
-                step.next_position = selection.first + seen
-                break
+        with contextlib.closing(rt.splitter().split(path, spec.ingest, selection)) as items:
+            # closing: a step that ends early (an error below, a stop, a spent time budget) kills
+            # the child at once, so its unread replies can never reach the next source.
+            first = next(items, None)
+            if not isinstance(first, SourceInfo):
+                raise SplitterOutOfStep(f"the splitting process did not start with {path.name}'s facts")
+            info = first
+            chunks.kind, chunks.sha256 = info.kind, info.sha256
+            # The job's visual-token budget: bounds per unit, skipped frames, the per-video cap.
+            budget = SourceBudget.for_job(spec, rt.token_rule)
+            timed = time_budget is not None and info.units is not None and not selection.skip
+            for row in budget.rows(_in_order(items, path), info.kind, rt.limits.max_visual_tokens):
+                chunks.add(row)
+                seen += 1
+                if stop is not None and stop.is_set():
+                    step.stopped = True
+                    break
+                if timed and time.monotonic() - started > time_budget and seen < _range_size(selection, info):
+                    step.next_position = selection.first + seen  # closing kills the rest of the range
+                    break
     except SourceError as exc:
         error = str(exc)
+    except repo.SourceChanged as exc:
+        chunks.rows.clear()  # rows of the second file are never stored beside the first one's
+        error = str(exc)
     finally:
-        chunks.flush()  # units done before a failure (or a stop) are kept
+        try:
+            chunks.flush()  # units done before a failure (or a stop) are kept
+        except repo.SourceChanged as exc:
+            error = str(exc)  # the file was replaced since an earlier range: the source fails
         step.units_stored = chunks.stored
         busy = time.monotonic() - started
         metrics.STAGE_BUSY.labels("ingest").inc(busy)
@@ -192,6 +201,20 @@ def ingest_source(
     remaining = repo.complete_source(rt.db, source_id, error=error, **facts)
     step.closed = repo.close_finished(rt.db, remaining)
     return step
+
+
+def _in_order(
+    items: Iterator[SourceInfo | StoredUnit | UnitFailure], path: Path
+) -> Iterator[StoredUnit | UnitFailure]:
+    """The child's units, checked before any is stored: each a page or frame (never a second
+    source's facts), in increasing order, none twice. The reader already checks that each reply
+    answers this request and carries this file's hash; this catches a child that misbehaves."""
+    last = -1
+    for item in items:
+        if not isinstance(item, StoredUnit | UnitFailure) or item.index <= last:
+            raise SplitterOutOfStep(f"the splitting process reported units of {path.name} out of order")
+        last = item.index
+        yield item
 
 
 def _range_size(selection: UnitSelection, info: SourceInfo) -> int:
