@@ -1,0 +1,121 @@
+"""A time budget per test module, so that the suite's time cannot quietly rot (issue 20).
+
+Each module's tests are timed in all (setup + call + teardown, as pytest's reports say, less the
+setup of session-scoped fixtures: the services and the tiny model are paid for once per run, by
+whichever module happens to come first). When a module took longer than its budget, the run
+fails after the last test, with a line naming the module, its time and its budget.
+
+The budget is ``module_budget_s`` (ini option, default 90 s; the environment variable
+``VISBATCH_MODULE_BUDGET_S`` overrides it, and 0 turns the guard off, e.g. when stepping through
+a test). A module that may take longer says so, and why, in its ``pytestmark``::
+
+    pytestmark = pytest.mark.budget(240, reason="a fleet per fault; to share one fleet (issue 20)")
+
+A module run only in part is held to the same budget (it can only be under). Under ``--pdb`` the
+guard is off. Registered from the root conftest.py.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+
+import pytest
+
+DEFAULT_BUDGET_S = 90.0
+ENV = "VISBATCH_MODULE_BUDGET_S"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini(
+        "module_budget_s",
+        f"seconds one test module may take in all unless it declares pytest.mark.budget "
+        f"(default {DEFAULT_BUDGET_S:g}; {ENV} overrides; 0: no guard)",
+        default=str(DEFAULT_BUDGET_S),
+    )
+
+
+def _module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+class ModuleBudget:
+    def __init__(self, default_s: float) -> None:
+        self.default_s = default_s
+        self.spent: defaultdict[str, float] = defaultdict(float)
+        self.session_setup: defaultdict[str, float] = defaultdict(float)
+        self.allowed: dict[str, tuple[float, str]] = {}
+        self.current: str | None = None
+        self.over: list[str] = []
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        for item in items:
+            module = item.getparent(pytest.Module)
+            if module is None or module.nodeid in self.allowed:
+                continue
+            marker = module.get_closest_marker("budget")
+            if marker is None:
+                continue
+            seconds = marker.args[0] if marker.args else marker.kwargs.get("seconds")
+            reason = marker.kwargs.get("reason") or (marker.args[1] if len(marker.args) > 1 else "")
+            if not isinstance(seconds, int | float) or seconds <= 0 or not str(reason).strip():
+                raise pytest.UsageError(
+                    f"{module.nodeid}: write pytest.mark.budget(SECONDS, reason='why it may take that long')"
+                )
+            self.allowed[module.nodeid] = (float(seconds), str(reason))
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item):
+        self.current = _module_of(item.nodeid)
+        yield
+        self.current = None
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef):
+        started = time.perf_counter()
+        yield
+        if fixturedef.scope == "session" and self.current is not None:
+            self.session_setup[self.current] += time.perf_counter() - started
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.spent[_module_of(report.nodeid)] += report.duration
+
+    def budget_of(self, module: str) -> float:
+        return self.allowed.get(module, (self.default_s, ""))[0]
+
+    def check(self) -> list[str]:
+        over = []
+        for module, spent in sorted(self.spent.items()):
+            own = spent - self.session_setup.get(module, 0.0)
+            budget = self.budget_of(module)
+            if own > budget:
+                how = "its pytest.mark.budget" if module in self.allowed else "the default module_budget_s"
+                over.append(
+                    f"{module} took {own:.1f} s, over its budget of {budget:g} s ({how}): make it "
+                    f"cheaper, or declare pytestmark = pytest.mark.budget(SECONDS, reason=...) saying why"
+                )
+        return over
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self.over = self.check()
+        if self.over and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.over:
+            terminalreporter.section("test modules over their time budget", red=True, bold=True)
+            for line in self.over:
+                terminalreporter.line(line, red=True)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    raw = os.environ.get(ENV) or config.getini("module_budget_s")
+    try:
+        default_s = float(raw)
+    except ValueError:
+        raise pytest.UsageError(f"module_budget_s / {ENV} must be a number of seconds, not {raw!r}") from None
+    if default_s <= 0 or config.getoption("usepdb", False):
+        return
+    config.pluginmanager.register(ModuleBudget(default_s), "visbatch-module-budget")
