@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy.exc
+from sqlalchemy import select
 
 from ingest.isolation import IsolatedSplitter, SourceInfo, SplitterOutOfStep, StoredUnit
 from ingest.limits import Limits
@@ -23,6 +24,7 @@ from ingest.spec import IngestOptions, JobSpec, Sampling
 from storage import repository as repo
 from storage import units as unit_rows
 from storage.errors import is_transient
+from storage.models import UNITS
 from tests.media import write_pdf
 from worker.runtime import Runtime
 from worker.stages.ingest import ingest_source
@@ -150,14 +152,9 @@ def test_the_ingest_stage_after_an_outage_mid_source(settings_factory, tmp_path,
 
 def _texts(rt: Runtime, job_id: str) -> dict[int, str]:
     """page index -> which document's words the stored page has."""
-    from sqlalchemy import select
-
-    from storage.models import UNITS
-
+    stmt = select(UNITS.c.unit_index, UNITS.c.text).where(UNITS.c.job_id == job_id)
     with rt.db.session(readonly=True) as session:
-        rows = session.execute(
-            select(UNITS.c.unit_index, UNITS.c.text).where(UNITS.c.job_id == job_id).order_by(UNITS.c.unit_index)
-        ).all()
+        rows = session.execute(stmt.order_by(UNITS.c.unit_index)).all()
     return {index: ("alpha words" if "alpha" in text else "beta words") for index, text in rows}
 
 
