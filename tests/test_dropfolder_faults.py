@@ -34,7 +34,8 @@ from storage.models import DROP_CLAIMS, JOBS, ClaimStatus
 from tests.faults import TCPProxy
 from tests.test_dropfolder import Submitter
 
-pytestmark = pytest.mark.faults
+# Budget: S3 outages waited out and a real `watch` process; to be tightened (issue 20).
+pytestmark = [pytest.mark.faults, pytest.mark.budget(150, reason="S3 outages waited out, a watch process")]
 
 DEFAULT = JobSpec(prompts=["What is this?"])
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,14 @@ from tests.faults import FlakyS3Proxy, RedisServer, TCPProxy
 from tests.fleet_harness import Fleet
 from tests.media import write_pdf, write_slow_pdf
 
-pytestmark = [pytest.mark.slow, pytest.mark.fleet, pytest.mark.faults, pytest.mark.usefixtures("redis_url")]
+# Budget: ~250 s on 2 cores today (a fleet per fault, waits of 20-90 s); to be tightened (issue 20).
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.fleet,
+    pytest.mark.faults,
+    pytest.mark.usefixtures("redis_url"),
+    pytest.mark.budget(500, reason="a fleet per fault, waits of 20-90 s"),
+]
 
 PROMPTS = ["-p", "What is on this page?", "-p", "Any table?"]
 

@@ -19,6 +19,9 @@ from ingest.spec import IngestOptions
 from ingest.token_rules import load_token_rule
 from tests.media import write_pdf, write_slow_pdf, write_video
 
+# Budget: ~60 s on 2 cores today (a visbatch process per test, a Ctrl-C); to be tightened (issue 20).
+pytestmark = pytest.mark.budget(150, reason="a visbatch process per test, one Ctrl-C of a slow PDF")
+
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "sqlalchemy", "vllm", "celery")
 # Runs the real command in this interpreter, then reports which heavy modules it imported.
