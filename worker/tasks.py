@@ -103,7 +103,16 @@ def retrying(fn: Callable[..., str]) -> Callable[..., str]:
             if is_transient(exc) and self.request.retries < POLICY.max_retries:
                 metrics.RETRIES.labels(type(exc).__name__).inc()
                 log.warning("%s: %s; retry %d", self.name, describe(exc), self.request.retries + 1)
-                raise self.retry(exc=exc, countdown=POLICY.delay(self.request.retries)) from exc
+                try:
+                    raise self.retry(exc=exc, countdown=POLICY.delay(self.request.retries)) from exc
+                except Reject as unpublished:
+                    # Celery could not publish the retry (the broker is away too) and would drop
+                    # the message (Reject, requeue=False). Leave it to the broker instead: a
+                    # requeue, or, if even that cannot be sent, an unacknowledged message that
+                    # the broker hands out again (RabbitMQ at once, Redis after its timeout).
+                    log.warning("%s: retry not published (%s); the message stays with the broker",
+                                self.name, unpublished.reason)  # fmt: skip
+                    raise Reject(f"retry not published: {describe(exc)}", requeue=True) from exc
             raise
 
     return run
