@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Select, case, false, func, null, select, true, update
+from sqlalchemy import Connection, Select, case, false, func, literal, null, select, true, update
 
 from storage.db import Database
 from storage.models import (
@@ -19,6 +19,7 @@ from storage.models import (
     JobStatus,
     SourceStatus,
     UnitStatus,
+    UTCDateTime,
     new_job_id,
     utcnow,
 )
@@ -265,6 +266,10 @@ def job_summary(db: Database, job_id: str, *, max_errors: int = MAX_ERRORS) -> d
         from storage.token_report import token_report  # beside the tables it reads
 
         tokens = token_report(session, full_id)
+        running = job.status == JobStatus.RUNNING
+        # What a running job waits for (status tells a stalled or unserved job from a slow one).
+        outstanding = outstanding_counts(session, full_id) if running else None
+        fleet = is_fleet_job(session, full_id) if running else None
     return {
         "id": job.id,
         "status": job.status,
@@ -287,6 +292,12 @@ def job_summary(db: Database, job_id: str, *, max_errors: int = MAX_ERRORS) -> d
         "completion_tokens": completion_tokens,
         "tokens": tokens,
         "timing": _timing(job),
+        # Last progress (any stage moving the job row), the fleet's last automatic resume, and
+        # for a running job: whether it runs on the fleet and the work left per stage.
+        "progress_at": iso(job.updated_at),
+        "resumed_at": iso(job.resumed_at),
+        "fleet": fleet,
+        "outstanding": outstanding,
         "errors": errors,
         "errors_truncated": truncated,
     }
@@ -346,13 +357,19 @@ class StartedJob:
     sources: list[tuple[int, str]]  # (source id, uri) of every source to ingest, in the given order
 
 
-def start_job(db: Database, spec: Any, sources: Sequence[tuple[str, str | None]]) -> StartedJob:
+def start_job(
+    db: Database,
+    spec: Any,
+    sources: Sequence[tuple[str, str | None]],
+    locations: Mapping[str, str] | None = None,
+) -> StartedJob:
     """Create a running job with its sources in ONE transaction: the only way jobs start.
 
     `sources` are (uri, error): a source given with an error (e.g. a file that does not exist) is
     stored failed at once; every other source holds the job's countdown up until its ingest
     completes (storage.sources). A job with no source to ingest is closed here (`failed`, and
-    "no input files found" when there was no source at all).
+    "no input files found" when there was no source at all). `locations` ({uri: where a worker
+    reads it}) is given for a fleet job: it is what lets any worker send the ingest again.
     """
     dump = getattr(spec, "model_dump", None)
     payload = dump(mode="json") if callable(dump) else dict(spec)
@@ -371,7 +388,14 @@ def start_job(db: Database, spec: Any, sources: Sequence[tuple[str, str | None]]
             status = SourceStatus.FAILED if error else SourceStatus.PENDING
             source_id = session.execute(
                 SOURCES.insert()
-                .values(job_id=job_id, uri=uri, status=status.value, error=error, created_at=now)
+                .values(
+                    job_id=job_id,
+                    uri=uri,
+                    status=status.value,
+                    error=error,
+                    created_at=now,
+                    location=(locations or {}).get(uri),
+                )
                 .returning(SOURCES.c.id)
             ).scalar_one()
             if not error:
@@ -509,3 +533,116 @@ def reopen_job(db: Database, job_id: str) -> ReopenedJob:
 
 def _unfinished(tally: _Tally) -> int:
     return sum(tally.units.get(status, 0) for status in UNFINISHED_UNITS)
+
+
+# --- stalled jobs (worker.stall_watch) ------------------------------------------------------------
+# A job's last progress is jobs.updated_at: every stage moves the job row as it works (counters,
+# busy seconds), and the stall watch's own stamp leaves it alone.
+
+
+@dataclass(frozen=True, slots=True)
+class Outstanding:
+    """A running job's work left, by the stage that does it next."""
+
+    sources: list[tuple[int, str, int]]  # (source id, where a worker reads it, next unit) to ingest
+    pending_units: list[int]  # stored, to encode
+    encoded_units: list[int]  # encoded, answers missing
+
+    def stages(self) -> list[str]:
+        """The stages (queues) this work waits for, in pipeline order."""
+        work = {"ingest": self.sources, "encode": self.pending_units, "generate": self.encoded_units}
+        return [stage for stage in STAGES if work[stage]]
+
+
+def outstanding_work(db: Database, job_id: str) -> Outstanding:
+    """What is left of a job, read from the rows (a source without a recorded location is read
+    where its uri says, as `visbatch resume` does)."""
+    sources_stmt = (
+        select(SOURCES.c.id, func.coalesce(SOURCES.c.location, SOURCES.c.uri), SOURCES.c.next_unit)
+        .where(SOURCES.c.job_id == job_id, SOURCES.c.status == SourceStatus.PENDING.value)
+        .order_by(SOURCES.c.id)
+    )
+    units_stmt = (
+        select(UNITS.c.id, UNITS.c.status)
+        .where(
+            UNITS.c.job_id == job_id,
+            UNITS.c.status.in_([UnitStatus.PENDING.value, UnitStatus.ENCODED.value]),
+        )
+        .order_by(UNITS.c.id)
+    )
+    with db.session(readonly=True) as session:
+        sources = [(int(sid), str(where), int(nxt)) for sid, where, nxt in session.execute(sources_stmt)]
+        units = session.execute(units_stmt).all()
+    return Outstanding(
+        sources,
+        [int(u.id) for u in units if u.status == UnitStatus.PENDING],
+        [int(u.id) for u in units if u.status == UnitStatus.ENCODED],
+    )
+
+
+def outstanding_counts(session: Connection, job_id: str) -> dict[str, int]:
+    """How much work each stage still has for a job: {ingest: sources, encode: units, generate: units}."""
+    sources = session.scalar(
+        select(func.count()).where(SOURCES.c.job_id == job_id, SOURCES.c.status == SourceStatus.PENDING.value)
+    )
+    units_stmt = (
+        select(UNITS.c.status, func.count())
+        .where(
+            UNITS.c.job_id == job_id,
+            UNITS.c.status.in_([UnitStatus.PENDING.value, UnitStatus.ENCODED.value]),
+        )
+        .group_by(UNITS.c.status)
+    )
+    units = {status: int(n) for status, n in session.execute(units_stmt)}
+    return {
+        "ingest": int(sources or 0),
+        "encode": units.get(UnitStatus.PENDING, 0),
+        "generate": units.get(UnitStatus.ENCODED, 0),
+    }
+
+
+def _stalled_since(before: datetime) -> Any:
+    """Running, no progress since `before`, not resumed by the fleet since `before` either."""
+    return (
+        (JOBS.c.status == JobStatus.RUNNING.value)
+        & (JOBS.c.updated_at < before)
+        & ((JOBS.c.resumed_at.is_(None)) | (JOBS.c.resumed_at < before))
+    )
+
+
+def stall_candidates(db: Database, before: datetime, limit: int = 100) -> list[tuple[str, datetime]]:
+    """(id, last progress) of the fleet jobs (their sources have a location: submitted, not run in
+    one process) running with no progress and no automatic resume since `before`, longest still first."""
+    fleet = (
+        select(SOURCES.c.id).where(SOURCES.c.job_id == JOBS.c.id, SOURCES.c.location.is_not(None)).exists()
+    )
+    stmt = (
+        select(JOBS.c.id, JOBS.c.updated_at)
+        .where(_stalled_since(before), fleet)
+        .order_by(JOBS.c.updated_at)
+        .limit(limit)
+    )
+    with db.session(readonly=True) as session:
+        return [(row.id, row.updated_at) for row in session.execute(stmt)]
+
+
+def claim_stalled(db: Database, job_id: str, before: datetime, now: datetime) -> bool:
+    """Stamp resumed_at on a job that is still stalled; True for the one caller that did it.
+
+    The conditional UPDATE is the claim (on either database, two sweepers cannot both win), and
+    it keeps updated_at as it was: a resume decided is not progress made.
+    """
+    stmt = (
+        update(JOBS)
+        .where(JOBS.c.id == job_id, _stalled_since(before))
+        .values(resumed_at=literal(now, UTCDateTime()), updated_at=JOBS.c.updated_at)
+        .returning(JOBS.c.id)
+    )
+    with db.session() as session:
+        return session.execute(stmt).first() is not None
+
+
+def is_fleet_job(session: Connection, job_id: str) -> bool:
+    """Whether the job was sent to the fleet (its sources were given a location at submit)."""
+    stmt = select(SOURCES.c.id).where(SOURCES.c.job_id == job_id, SOURCES.c.location.is_not(None)).limit(1)
+    return session.scalar(stmt) is not None

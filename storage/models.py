@@ -204,6 +204,9 @@ JOBS = Table(
     Column("started_at", UTCDateTime, nullable=True),
     Column("first_result_at", UTCDateTime, nullable=True),
     *map(_seconds, ("ingest_seconds", "encode_seconds", "generate_seconds")),
+    # When the fleet last resumed this job on its own, for want of progress (migration 0005,
+    # worker.stall_watch): not again within the stall threshold.
+    Column("resumed_at", UTCDateTime, nullable=True),
 )
 
 SOURCES = Table(
@@ -220,6 +223,9 @@ SOURCES = Table(
     _created_at(),
     # Units before this index are stored (migration 0004): the cursor of range-by-range ingest.
     Column("next_unit", Integer, nullable=False, default=0, server_default="0"),
+    # Where a fleet worker reads it (store:<key>, s3://...; migration 0005), recorded at submit so
+    # that any worker can send its ingest again; NULL for a job run in one process.
+    Column("location", Text, nullable=True),
     UniqueConstraint("job_id", "uri"),
 )
 

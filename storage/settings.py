@@ -266,17 +266,28 @@ class Settings:
         "", description="Prefix of every broker key (Redis) or queue name (RabbitMQ): several fleets on one."
     )
     # Tasks are kept short (ingest by page range, generate by unit) so that a dead worker's work
-    # is redone within minutes on Redis too, which only redelivers after the visibility timeout.
-    task_time_limit: int = setting(180, ge=1, description="Hard time limit of one task, seconds.")
+    # is redone within about two minutes on Redis too, which only redelivers after the visibility
+    # timeout (plus up to one restore interval): 100 + 5 s, measured ~110 s (docs/reliability.md).
+    task_time_limit: int = setting(90, ge=1, description="Hard time limit of one task, seconds.")
     visibility_timeout: int = setting(
-        240, ge=1, description="Seconds before Redis hands an unacked task to another worker (> time limit)."
+        100, ge=1, description="Seconds before Redis hands an unacked task to another worker (> time limit)."
     )
     metrics_port: int = setting(9808, ge=0, le=65535, description="Port of a worker's Prometheus metrics.")
     ingest_range_units: int = setting(
         128, ge=1, description="Pages of a PDF one fleet ingest task renders before handing the rest on."
     )
     unacked_restore_interval: int = setting(
-        10, ge=1, description="Seconds between sweeps for abandoned tasks."
+        5, ge=1, description="Seconds between sweeps for abandoned tasks."
+    )
+    # The safety net for a job whose messages were lost anyway (worker.stall_watch).
+    stall_after_s: int = setting(
+        120,
+        ge=10,
+        description="A running fleet job with work left, no progress for this long and no message "
+        "waiting for it is resumed by the fleet itself.",
+    )
+    stall_check_s: float = setting(
+        30.0, gt=0, description="Seconds between a worker's looks for stalled jobs (jittered)."
     )
     task_max_retries: int = setting(5, ge=0, description="Retries of a transient error before a unit fails.")
     encode_chunk_units: int = setting(16, ge=1, description="Units per encode task.")

@@ -24,6 +24,7 @@ Importing this package is light (no torch); the model is loaded by `run` when it
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ from worker.cli_errors import UserError
 if TYPE_CHECKING:
     from worker.runtime import Runtime
 
-__all__ = ["Error", "Job", "job", "jobs", "run", "submit"]
+__all__ = ["Error", "Job", "NoWorkerWarning", "job", "jobs", "run", "submit"]
 
 Error = UserError  # a problem a caller can fix (bad option, no input files, ...): message + fix
 
@@ -116,8 +117,9 @@ def submit(
     **options: Any,
 ) -> Job:
     """Send a job to the fleet (like `visbatch submit`): local files are uploaded to the store,
-    ``s3://`` objects and prefixes are read in place. Returns at once, or when it ends (`wait`)."""
-    from worker.submit import submit_job
+    ``s3://`` objects and prefixes are read in place. Returns at once, or when it ends (`wait`).
+    Warns (NoWorkerWarning, on stderr) when no worker consumes a queue the job needs."""
+    from worker.submit import missing_workers_warning, submit_job
 
     spec = _spec(_options(prompts, schema, model, options))
     local = [Path(i) for i in map(str, inputs) if not i.startswith("s3://")]
@@ -125,7 +127,14 @@ def submit(
     files = [str(p) for p in _files(local, include, exclude)] if local else []
     rt = _runtime(model)
     handle = Job(submit_job(rt, files + remote, spec), rt)
+    warning = missing_workers_warning(rt.settings)
+    if warning:
+        warnings.warn(warning.removeprefix("warning: "), NoWorkerWarning, stacklevel=2)
     return handle.wait() if wait else handle
+
+
+class NoWorkerWarning(UserWarning):
+    """A submitted job waits: no worker consumes a queue it needs."""
 
 
 def job(job_id: str) -> Job:

@@ -82,3 +82,6 @@ def make_celery(settings: Settings) -> Celery:
 
 
 app = make_celery(Settings())
+
+# Every worker runs the safety net for stuck jobs once it is ready (a thread; worker.stall_watch).
+import worker.stall_watch  # noqa: E402, F401

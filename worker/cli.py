@@ -118,12 +118,17 @@ def watch(
         raise UserError(str(exc)) from None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    from worker.stall_watch import StallWatch
+
+    safety_net = StallWatch(rt.settings).start()  # the watcher also resumes stalled fleet jobs
     try:
         watcher.run(stop)
     except WatcherRefused as exc:
         raise UserError(str(exc)) from None
     except KeyboardInterrupt:
         stop.set()
+    finally:
+        safety_net.close()
 
 
 @app.command()
@@ -226,8 +231,11 @@ def status(
     """A job's state, counters and every error: the source, the page (from 1) or frame time, and
     the prompt it concerns."""
     from storage import repository as repo
+    from worker.job_activity import job_activity
 
-    summary = repo.job_summary(make_runtime(None).db, job)
+    rt = make_runtime(None)
+    summary = repo.job_summary(rt.db, job)
+    summary["activity"] = job_activity(rt.settings, summary)  # stalled, or waiting for a worker
     if as_json:
         # Plain print: machine-readable output must not be wrapped or styled.
         print(json.dumps(summary, default=str, indent=2))

@@ -206,14 +206,19 @@ def summary_lines(s: dict[str, Any]) -> list[tuple[str, str]]:
     if model:
         lines.append(("model", str(model)))
     lines += token_lines(s.get("tokens"))
-    lines += timing_lines(s.get("timing"))
+    activity = s.get("activity")
+    # A job that waits for a worker or has stalled gets the reason, not an ETA it will not keep.
+    lines += timing_lines(s.get("timing"), eta=activity is None)
+    if activity:
+        lines.append(("progress", str(activity["message"])))
     if s.get("error"):
         lines.append(("reason", str(s["error"])))
     return lines
 
 
-def timing_lines(timing: dict | None) -> list[tuple[str, str]]:
-    """Wall time, time to the first result, each stage's busy time, pages (units) per second."""
+def timing_lines(timing: dict | None, *, eta: bool = True) -> list[tuple[str, str]]:
+    """Wall time, time to the first result, each stage's busy time, pages (units) per second,
+    and (`eta`) a running job's rate and time left."""
     if not timing or timing.get("wall_seconds") is None:
         return []
     busy = timing["busy_seconds"]
@@ -223,7 +228,7 @@ def timing_lines(timing: dict | None) -> list[tuple[str, str]]:
     lines.append(("busy", ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in busy.items())))
     if timing.get("units_per_second"):
         lines.append(("pages+frames per second", f"{timing['units_per_second']:.2f}"))
-    if timing.get("eta_seconds") is not None:  # a running job: its rate so far, and time left at it
+    if eta and timing.get("eta_seconds") is not None:  # a running job: its rate so far, and time left at it
         lines.append(("rate, time left", f"{timing['rate_units_per_second']:.2f} pages+frames/s, "
                       f"about {timing['eta_seconds']:.0f} s at that rate"))  # fmt: skip
     return lines

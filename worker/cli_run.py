@@ -205,7 +205,7 @@ def submit(
     wait: Annotated[bool, typer.Option("--wait", help="Show progress until the job ends.")] = False,
 ) -> None:
     """Send a job to the fleet (Celery workers); prints its id. Local files are uploaded to the store."""
-    from worker.submit import submit_job
+    from worker.submit import missing_workers_warning, submit_job
 
     spec = job.spec()
     local = [Path(item) for item in inputs if not item.startswith("s3://")]
@@ -214,6 +214,9 @@ def submit(
     rt = make_runtime(job.model)
     job_id = submit_job(rt, files + remote, spec)
     print(job_id, flush=True)
+    warning = missing_workers_warning(rt.settings)
+    if warning:
+        console.print(escape(warning), highlight=False)
     if wait:
         _wait(rt, job_id)
     else:

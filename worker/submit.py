@@ -14,6 +14,7 @@ from ingest.spec import JobSpec
 from ingest.stage import expand_paths, file_sha256
 from storage import repository as repo
 from storage.models import FINISHED_JOB_STATUSES
+from storage.settings import Settings
 from worker.runtime import Runtime
 from worker.stages.start import SourceInput, SourceToIngest, start_job
 
@@ -60,14 +61,34 @@ def enqueue_ingest(job_id: str, sources: list[SourceToIngest]) -> None:
 
 
 def submit_job(rt: Runtime, inputs: list[str], spec: JobSpec) -> str:
-    """Create the job and its sources (storage.jobs.start_job), then one ingest task per source."""
-    job_id, sources = start_job(rt, spec, resolve_inputs(rt, inputs))
+    """Create the job and its sources (storage.jobs.start_job), then one ingest task per source.
+    Where each source is read is recorded, so that the fleet can resume a stalled job itself."""
+    job_id, sources = start_job(rt, spec, resolve_inputs(rt, inputs), fleet=True)
     try:
         enqueue_ingest(job_id, sources)
     except Exception as exc:  # broker down: say so on the job rather than leave it running
         repo.set_job_status(rt.db, job_id, "failed", error=f"could not enqueue: {type(exc).__name__}: {exc}")
         raise
     return job_id
+
+
+# A job needs every stage; ingest first, so it is named first. The whole check is bounded well
+# under a second: a submit is never slowed for a warning.
+JOB_STAGES = ("ingest", "encode", "generate")
+CONSUMER_CHECK_TIMEOUT_S = 0.5
+
+
+def missing_workers_warning(settings: Settings) -> str | None:
+    """A line to show when no worker consumes a queue a job needs (its job then waits), with the
+    command that starts one; None when every queue has a worker or the broker cannot tell."""
+    from worker.consumers import stages_without_consumer, start_hint
+
+    missing = stages_without_consumer(settings, JOB_STAGES, timeout=CONSUMER_CHECK_TIMEOUT_S)
+    if not missing:
+        return None
+    queues = ", ".join(missing)
+    noun = "queue" if len(missing) == 1 else "queues"
+    return f"warning: no worker consumes {noun} {queues}: the job waits until one does; {start_hint(missing)}"
 
 
 def cancel_job(rt: Runtime, job_id: str) -> str:

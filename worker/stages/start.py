@@ -26,16 +26,21 @@ class SourceToIngest:
     location: str
 
 
-def start_job(rt: Runtime, spec: JobSpec, inputs: list[SourceInput]) -> tuple[str, list[SourceToIngest]]:
+def start_job(
+    rt: Runtime, spec: JobSpec, inputs: list[SourceInput], *, fleet: bool = False
+) -> tuple[str, list[SourceToIngest]]:
     """Create the job (running, spec with the runtime's model) and its sources in one transaction.
 
     Returns the job id and the sources to ingest. An input given with an error is a failed
-    source; a job with nothing to ingest is already closed when this returns.
+    source; a job with nothing to ingest is already closed when this returns. A `fleet` job
+    records where each source is read, so that any worker can send its ingest again
+    (worker.stall_watch).
     """
     job_spec = spec.model_copy(update={"model": rt.model_name})
     pairs = [(i.uri, i.error or (None if i.location else "file not found")) for i in inputs]
-    started = repo.start_job(rt.db, job_spec, pairs)
     location = {i.uri: i.location for i in inputs}
+    recorded = {uri: where for uri, where in location.items() if where} if fleet else None
+    started = repo.start_job(rt.db, job_spec, pairs, recorded)
     return started.job_id, [
         SourceToIngest(source_id, uri, location[uri] or uri) for source_id, uri in started.sources
     ]
