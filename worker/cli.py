@@ -161,6 +161,14 @@ def worker(
         typer.Option(metavar="PORT", help="Prometheus metrics port (default: $VISBATCH_METRICS_PORT, 9808)."),
     ] = None,
     metrics: Annotated[bool, typer.Option("--metrics/--no-metrics", help="Serve Prometheus metrics.")] = True,
+    supervise: Annotated[
+        bool,
+        typer.Option(
+            "--supervise/--no-supervise",
+            help="Run the Celery worker in a child process restarted when it dies (a broker restart "
+            "can crash it); --no-supervise where systemd or Kubernetes restarts it.",
+        ),
+    ] = True,
 ) -> None:
     """Start a Celery worker: processes for ingest alone; for GPU stages one process (the model loaded
     once) whose task threads feed one engine loop: start one worker per GPU."""
@@ -175,6 +183,13 @@ def worker(
             f"choose from {', '.join(QUEUES)}",
         )
     settings = Settings()
+    name = name or f"visbatch-{'-'.join(chosen)}-{os.getpid()}@%h"
+    if supervise:
+        child = ["worker", "--queues", ",".join(chosen), "--name", name, "--loglevel", loglevel,
+                 "--metrics" if metrics else "--no-metrics", "--no-supervise"]  # fmt: skip
+        child += ["--concurrency", str(concurrency)] if concurrency is not None else []
+        child += ["--metrics-port", str(metrics_port)] if metrics_port is not None else []
+        raise typer.Exit(_supervised(child))
     argv = [
         "worker",
         "-Q",
@@ -185,7 +200,7 @@ def worker(
         "--prefetch-multiplier",
         "1",
         "-n",
-        name or f"visbatch-{'-'.join(chosen)}-{os.getpid()}@%h",
+        name,
         "--without-gossip",
         "--without-mingle",
     ]
@@ -206,22 +221,65 @@ def worker(
             "--max-tasks-per-child",
             "200",
         ]
+    if {"encode", "generate"} & set(chosen):
+        _load_default_model()
     celery_app.worker_main(argv)
 
 
+def _supervised(child_args: list[str]) -> int:
+    """`visbatch worker ARGS --no-supervise` in a child process, kept up (worker.supervisor)."""
+    from worker.supervisor import Supervisor
+
+    logging.getLogger("worker.supervisor").setLevel(logging.INFO)
+    command = "from worker.cli import app; app(prog_name='visbatch')"
+    return Supervisor([sys.executable, "-c", command, *child_args]).run()
+
+
+def _load_default_model() -> None:
+    """Load the default model before the first message is taken: a burst of messages then finds
+    it ready instead of several task threads loading it at once, and a model that cannot load
+    stops this worker (EX_CONFIG, the reason logged) instead of failing the units it holds."""
+    from ingest.token_rules import ModelFilesUnavailable, UnsupportedModel
+    from worker.runtime import ModelUnavailable
+    from worker.supervisor import EX_CONFIG
+    from worker.tasks import runtime_for
+
+    log = logging.getLogger("worker.runtime")
+    log.setLevel(min(log.getEffectiveLevel(), logging.INFO))
+    try:
+        rt = runtime_for(None)
+        rt.load_model()
+    except (ModelUnavailable, ModelFilesUnavailable, UnsupportedModel) as exc:
+        log.critical("this worker takes no message: %s", exc)
+        raise typer.Exit(EX_CONFIG) from None
+    except Exception as exc:  # the database or the cache away: the tasks load the model later
+        log.warning("model not loaded at start (%s: %s): the first task loads it", type(exc).__name__, exc)
+    else:
+        log.info("model %s loaded", rt.model_name)
+
+
 def _serve_worker_metrics(settings: Settings, port: int | None, *, prefork: bool) -> None:
-    if prefork and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
-        # Tasks run in pool processes: their metrics are summed by the parent's endpoint. Set
-        # before prometheus_client is first imported (it picks its value store on import).
-        import tempfile
+    """Serve this worker's metrics on the port asked for or the next free one (several workers
+    share a host); a metrics failure is a warning, never the worker's end."""
+    log = logging.getLogger("worker.metrics")
+    log.setLevel(min(log.getEffectiveLevel(), logging.INFO))  # the "metrics on :PORT" line
+    try:
+        if prefork and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+            # Tasks run in pool processes: their metrics are summed by the parent's endpoint. Set
+            # before prometheus_client is first imported (it picks its value store on import).
+            import tempfile
 
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="visbatch-metrics-")
-    from worker import metrics
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="visbatch-metrics-")
+        from worker import metrics
 
-    port = settings.metrics_port if port is None else port
-    metrics.serve(
-        port, collectors=[metrics.job_states(settings.sqlalchemy_url()), metrics.broker_queues(settings)]
-    )
+        wanted = settings.metrics_port if port is None else port
+        collectors = [metrics.job_states(settings.sqlalchemy_url()), metrics.broker_queues(settings)]
+        server = metrics.serve(wanted, collectors=collectors, span=metrics.PORT_SPAN)
+    except Exception as exc:
+        log.warning("metrics off: %s: %s (the worker runs without them)", type(exc).__name__, exc)
+        return
+    if port is not None and server.server_port != port:
+        log.warning("--metrics-port %d is in use: metrics on :%d instead", port, server.server_port)
 
 
 @app.command()

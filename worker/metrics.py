@@ -14,6 +14,7 @@ need nothing of the kind.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -85,8 +86,20 @@ class JobStatesCollector(Collector):
         yield family
 
 
-def serve(port: int, *, host: str = "0.0.0.0", collectors: list[Collector] | None = None) -> Any:  # noqa: S104
-    """Expose /metrics on `port` (0: a free port); returns the server (its `server_port`)."""
+# Ports a worker tries, from the one asked for: several workers on a host (one per GPU, an ingest
+# worker beside them) each take the next free one instead of dying on EADDRINUSE.
+PORT_SPAN = 32
+
+
+def serve(
+    port: int,
+    *,
+    host: str = "0.0.0.0",  # noqa: S104
+    collectors: list[Collector] | None = None,
+    span: int = 1,
+) -> Any:
+    """Expose /metrics on `port` (0: a free port), or on the next free one of `span` ports from
+    it; returns the server (its `server_port`). OSError when none of them is free."""
     registry: CollectorRegistry = REGISTRY
     if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
         from prometheus_client import multiprocess
@@ -95,9 +108,23 @@ def serve(port: int, *, host: str = "0.0.0.0", collectors: list[Collector] | Non
         multiprocess.MultiProcessCollector(registry)
     for collector in collectors or []:
         registry.register(collector)
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    log.info("metrics on http://%s:%d/metrics", host, server.server_port)
-    return server
+    candidates = [port] if port == 0 else list(range(port, min(port + max(1, span), 65536)))
+    taken: OSError | None = None
+    for candidate in candidates:
+        try:
+            server, _thread = start_http_server(candidate, addr=host, registry=registry)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            taken = exc
+            continue
+        # The one line that says where this process's metrics are (Prometheus' targets, tests).
+        moved = f"; {port}-{candidate - 1} in use" if candidate != port and port != 0 else ""
+        log.info(
+            "metrics on :%d (http://%s:%d/metrics%s)", server.server_port, host, server.server_port, moved
+        )
+        return server
+    raise OSError(errno.EADDRINUSE, f"ports {candidates[0]}-{candidates[-1]} are all in use") from taken
 
 
 def job_states(database_url: str) -> JobStatesCollector:

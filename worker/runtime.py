@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ingest.limits import Limits
 from storage.db import Database
+from storage.errors import TransientFault
 from storage.settings import Settings
 
 if TYPE_CHECKING:
@@ -26,6 +29,57 @@ if TYPE_CHECKING:
     from worker.request_builder import RequestBuilder
     from worker.retry import RetryPolicy
     from worker.token_store import VisualTokenStore
+
+
+# One per process, shared by every runtime and task thread: transformers' lazy module imports and
+# from_pretrained are not safe from several threads at once on a cold process (a burst of messages
+# to a fresh worker failed pages with "cannot import name 'AutoProcessor' from 'transformers'").
+_LOAD_LOCK = threading.RLock()
+T = TypeVar("T")
+
+
+class ModelUnavailable(TransientFault):
+    """This process could not load its model, processor or engine (the cause in the message).
+
+    The worker's failure, never the units': transient (storage.errors.is_transient), so a task's
+    message goes back to the broker instead of failing its pages."""
+
+
+class _LoadedOnce(Generic[T]):
+    """A cached_property computed under the process's load lock: exactly once, whichever thread
+    asks first (Python 3.12's cached_property has no lock at all)."""
+
+    def __init__(self, build: Callable[[Any], T]) -> None:
+        self.build = build
+        self.__doc__ = build.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> T:
+        if obj is None:
+            return self  # type: ignore[return-value]
+        if self.name in obj.__dict__:  # normally not reached: the instance's value shadows us
+            return obj.__dict__[self.name]
+        with _LOAD_LOCK:
+            if self.name not in obj.__dict__:
+                obj.__dict__[self.name] = self.build(obj)
+            return obj.__dict__[self.name]
+
+
+@contextmanager
+def _model_errors(what: str) -> Iterator[None]:
+    """Any failure while loading becomes ModelUnavailable, except the ones that say the model
+    itself is wrong (not found, unsupported: the job's error, with their own messages)."""
+    from ingest.token_rules import ModelFilesUnavailable, UnsupportedModel
+
+    try:
+        yield
+    except (ModelUnavailable, ModelFilesUnavailable, UnsupportedModel):
+        raise
+    except Exception as exc:
+        text = str(exc).splitlines()[0] if str(exc) else ""
+        raise ModelUnavailable(f"{what} could not be loaded: {type(exc).__name__}: {text}") from exc
 
 
 def resolve_model_name(name: str) -> str:
@@ -108,15 +162,16 @@ class Runtime:
                 self._splitters.append(splitter)
         return splitter
 
-    @cached_property
+    @_LoadedOnce
     def engine_name(self) -> str:
         """vllm, transformers or openai: what `VISBATCH_ENGINE` means for this model on this machine."""
         from worker.engines import resolve_engine_name
 
         return resolve_engine_name(self.settings.engine, self.adapter)
 
-    @cached_property
+    @_LoadedOnce
     def adapter(self) -> ModelAdapter:
+        """The model's adapter (its files read; the weights come with `load_model`)."""
         from worker.models import ModelRef, load_adapter
 
         ref = ModelRef(
@@ -125,42 +180,61 @@ class Runtime:
             device=self.settings.device,
             dtype=self.settings.dtype,
         )
-        adapter = load_adapter(ref)
-        from worker.engines import resolve_engine_name
+        with _model_errors(f"model {self.model_name}"):
+            adapter = load_adapter(ref)
+            from worker.engines import resolve_engine_name
 
-        adapter.vision_only = resolve_engine_name(self.settings.engine, adapter) != "transformers"
+            adapter.vision_only = resolve_engine_name(self.settings.engine, adapter) != "transformers"
         return adapter
 
-    @cached_property
+    def load_model(self) -> ModelAdapter:
+        """The adapter with its processor and weights loaded: once per process, under the lock
+        every task thread shares, before any of them uses it. ModelUnavailable when it fails
+        (nothing is kept: a later call tries again)."""
+        if self.__dict__.get("_model_loaded"):
+            return self.adapter
+        with _LOAD_LOCK:
+            adapter = self.adapter
+            if not self.__dict__.get("_model_loaded"):
+                with _model_errors(f"model {self.model_name}"):
+                    _ = adapter.config, adapter.tokenizer, getattr(adapter, "processor", None)
+                    # Another engine generates: the tower alone; else the whole model (its tower too).
+                    _ = adapter.vision_tower if adapter.vision_only else adapter.model
+                self.__dict__["_model_loaded"] = True
+        return adapter
+
+    @_LoadedOnce
     def tokens(self) -> VisualTokenStore:
         from worker.token_store import VisualTokenStore
 
-        return VisualTokenStore(self.adapter, self.cache, self.store, self.settings.encode_batch_images)
+        adapter = self.load_model()
+        return VisualTokenStore(adapter, self.cache, self.store, self.settings.encode_batch_images)
 
-    @cached_property
+    @_LoadedOnce
     def engine(self) -> Engine:
         from worker.engines import make_engine
 
-        return make_engine(self.settings.engine, self.adapter, self.settings)
+        adapter = self.load_model()
+        with _model_errors(f"engine {self.settings.engine} for {self.model_name}"):
+            return make_engine(self.settings.engine, adapter, self.settings)
 
-    @cached_property
+    @_LoadedOnce
     def requests(self) -> RequestBuilder:
         from worker.request_builder import RequestBuilder
 
         return RequestBuilder(
-            self.adapter, self.tokens, model_name=self.model_name, engine_name=self.engine.name
+            self.load_model(), self.tokens, model_name=self.model_name, engine_name=self.engine.name
         )
 
     def warm_up(self) -> None:
         """Load what encode and generate need (weights, the engine) now: an embedded run does it
         beside ingest, so the first page finds the model ready instead of waiting for it."""
+        self.load_model()
         engine = self.engine
         _ = self.requests, self.tokens
-        if self.adapter.vision_only:  # another engine generates: the tower alone, and that engine
-            _ = getattr(self.adapter, "vision_tower", None)
-            _ = getattr(engine, "llm", None)
-        else:
-            _ = self.adapter.model
+        if self.adapter.vision_only:  # another engine generates (in process: its LLM loads now)
+            with _LOAD_LOCK, _model_errors(f"engine {engine.name} for {self.model_name}"):
+                _ = getattr(engine, "llm", None)
 
     @property
     def generate_window(self) -> int:

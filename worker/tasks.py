@@ -62,7 +62,11 @@ def _db() -> Database:
 
 
 def runtime_for(model: str | None) -> Runtime:
-    name = model or SETTINGS.model
+    """This process's runtime for `model` (its weights load on first use, once: Runtime.load_model).
+    Keyed by the resolved name: a job naming the default model by its path shares the loaded one."""
+    from worker.runtime import resolve_model_name
+
+    name = resolve_model_name(model or SETTINGS.model)
     with _RUNTIME_LOCK:
         if name not in _RUNTIMES:
             for other in list(_RUNTIMES):
@@ -210,6 +214,9 @@ _SERVICE_LOCK = threading.Lock()
 def _service(rt: Runtime):  # -> GenerateService (imported lazily: it loads the engine)
     from worker.stages.generate import GenerateService
 
+    # Weights first, under the process's load lock (ModelUnavailable, transient, when they cannot
+    # load): the service lock is then never held through a slow or failing load.
+    rt.load_model()
     with _SERVICE_LOCK:
         service = _SERVICES.get(id(rt))
         if service is None or not service.alive:  # type: ignore[attr-defined]
