@@ -22,6 +22,7 @@ results are stored; Celery acknowledges a message only then.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import queue
 import threading
@@ -105,6 +106,9 @@ class GenerateLoop:
         self.builder = rt.requests
         self.window = window or rt.generate_window
         self._requests: dict[str, tuple[Prepared, float]] = {}  # request id -> (request, added at)
+        # Request ids are never reused (unit:prompt:sequence): an abort or a late output of an
+        # earlier request for the same unit (a redelivered message) can never hit the new one.
+        self._sequence = itertools.count()
         self._work: dict[int, _Work] = {}  # unit id -> its requests in flight
         self._answered: list[_Work] = []  # every request answered, results not yet stored
         self._busy: dict[str, float] = defaultdict(float)  # job -> engine seconds not yet recorded
@@ -158,7 +162,7 @@ class GenerateLoop:
             self._work[unit.unit_id] = work
             now = time.monotonic()
             for prepared in self.builder.prepare(unit, spec, prompts):
-                request_id = f"{unit.unit_id}:{prepared.prompt_index}"
+                request_id = f"{unit.unit_id}:{prepared.prompt_index}:{next(self._sequence)}"
                 if prepared.request is None:
                     self._answer(work, self.builder.row(prepared, None, 0.0))
                     continue
