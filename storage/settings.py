@@ -289,7 +289,9 @@ class Settings:
     stall_check_s: float = setting(
         30.0, gt=0, description="Seconds between a worker's looks for stalled jobs (jittered)."
     )
-    task_max_retries: int = setting(5, ge=0, description="Retries of a transient error before a unit fails.")
+    # 8 retries, backoff 1, 2, 4 ... 60 s with jitter: 1.5-4.5 min, so a database or broker restart
+    # (seconds to a couple of minutes) never fails a unit; a longer outage does, with its cause.
+    task_max_retries: int = setting(8, ge=0, description="Retries of a transient error before a unit fails.")
     encode_chunk_units: int = setting(16, ge=1, description="Units per encode task.")
 
     def __init__(self, **values: Any) -> None:
