@@ -12,7 +12,8 @@ a test). A module that may take longer says so, and why, in its ``pytestmark``::
     pytestmark = pytest.mark.budget(240, reason="a fleet per fault; to share one fleet (issue 20)")
 
 A module run only in part is held to the same budget (it can only be under). Under ``--pdb`` the
-guard is off. Registered from the root conftest.py.
+guard is off. With ``--durations`` the 10 slowest modules are listed too, with their budgets.
+Registered from the root conftest.py.
 """
 
 from __future__ import annotations
@@ -85,10 +86,13 @@ class ModuleBudget:
     def budget_of(self, module: str) -> float:
         return self.allowed.get(module, (self.default_s, ""))[0]
 
+    def own_time(self, module: str) -> float:
+        return self.spent[module] - self.session_setup.get(module, 0.0)
+
     def check(self) -> list[str]:
         over = []
-        for module, spent in sorted(self.spent.items()):
-            own = spent - self.session_setup.get(module, 0.0)
+        for module in sorted(self.spent):
+            own = self.own_time(module)
             budget = self.budget_of(module)
             if own > budget:
                 how = "its pytest.mark.budget" if module in self.allowed else "the default module_budget_s"
@@ -103,7 +107,12 @@ class ModuleBudget:
         if self.over and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
-    def pytest_terminal_summary(self, terminalreporter) -> None:
+    def pytest_terminal_summary(self, terminalreporter, config: pytest.Config) -> None:
+        if config.getoption("durations", None) is not None and self.spent:  # beside --durations
+            terminalreporter.section("slowest 10 test modules (own time / budget)")
+            for module in sorted(self.spent, key=self.own_time, reverse=True)[:10]:
+                own, budget = self.own_time(module), self.budget_of(module)
+                terminalreporter.line(f"{own:8.1f} s / {budget:g} s  {module}")
         if self.over:
             terminalreporter.section("test modules over their time budget", red=True, bold=True)
             for line in self.over:

@@ -21,7 +21,9 @@ def test_two():
 
 def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     pytester.makeini("[pytest]\nmodule_budget_s = 0.3\n")
-    return pytester.runpytest_inprocess("-p", "tests.budget_plugin", *args)
+    # hypothesis's and anyio's plugins cost seconds per inner run on a busy machine; not needed here
+    plugins = ["-p", "tests.budget_plugin", "-p", "no:hypothesispytest", "-p", "no:anyio"]
+    return pytester.runpytest_inprocess(*plugins, *args)
 
 
 def test_a_module_over_its_budget_fails_the_run_and_says_so(pytester: pytest.Pytester, monkeypatch) -> None:
@@ -34,6 +36,16 @@ def test_a_module_over_its_budget_fails_the_run_and_says_so(pytester: pytest.Pyt
         ["*test modules over their time budget*", "test_sleepy.py took 0.5 s, over its budget of 0.3 s*"]
     )
     assert "test_quick.py took" not in result.stdout.str()
+
+
+def test_durations_also_list_the_slowest_modules(pytester: pytest.Pytester, monkeypatch) -> None:
+    monkeypatch.delenv("VISBATCH_MODULE_BUDGET_S", raising=False)
+    pytester.makepyfile(test_quick="def test_quick():\n    pass\n")
+    result = _run(pytester, "--durations=1")
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines(
+        ["*slowest 10 test modules (own time / budget)*", "*0.? s / 0.3 s  test_quick.py"]
+    )
 
 
 def test_a_declared_budget_with_a_reason_allows_it(pytester: pytest.Pytester, monkeypatch) -> None:
