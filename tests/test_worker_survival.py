@@ -241,7 +241,7 @@ def test_three_workers_on_one_host_with_shipped_metrics_settings(tmp_path, tiny_
         assert len(set(ports)) == 3, ports
         for port in ports:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:  # noqa: S310
-                assert b"visbatch_units_total" in response.read()
+                assert b"visbatch_queue_depth_messages" in response.read()
         assert all(w.poll() is None for w in workers), fleet.logs()
     finally:
         fleet.close()

@@ -119,7 +119,8 @@ def serve(
             taken = exc
             continue
         # The one line that says where this process's metrics are (Prometheus' targets, tests).
-        moved = f"; {port}-{candidate - 1} in use" if candidate != port and port != 0 else ""
+        busy = f"{port}" if candidate == port + 1 else f"{port}-{candidate - 1}"
+        moved = f"; {busy} in use" if candidate != port and port != 0 else ""
         log.info(
             "metrics on :%d (http://%s:%d/metrics%s)", server.server_port, host, server.server_port, moved
         )
