@@ -28,6 +28,9 @@ from worker.retry import RetryPolicy
 from worker.runtime import Runtime
 from worker.structured import validate_output
 
+# Budget: one `vllm serve` start (~90 s on 2 cores, more when busy); to be tightened.
+pytestmark = pytest.mark.budget(300, reason="one vllm serve start on a CPU")
+
 FAST_RETRY = RetryPolicy(max_retries=3, backoff_base_s=0.05, backoff_max_s=0.2)
 
 

@@ -19,6 +19,9 @@ from worker.engines import EngineRequest
 from worker.structured import validate_output
 from worker.visual_tokens import VisualTokens
 
+# Budget: a vLLM engine start (Qwen2.5-VL), 110 s on a busy 2-core machine; to be tightened.
+pytestmark = pytest.mark.budget(300, reason="a vLLM engine start on a CPU")
+
 
 def test_images_of_several_sizes(vllm_engine, hf_engine, vllm_adapter):
     visuals = encode(vllm_adapter, [random_image(w, h, seed=i) for i, (w, h) in enumerate(SIZES)])
