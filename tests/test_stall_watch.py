@@ -42,10 +42,15 @@ def _fleet_job(db: Database) -> tuple[str, int, int]:
     units 0-1 stored, unit 1 encoded, unit 2 answered), source B never ingested."""
     spec = {"prompts": ["What is on this page?"], "model": "tiny"}
     started = jobs.start_job(
-        db, spec, [("a.pdf", None), ("b.pdf", None)], {"a.pdf": "store:sources/aa/a.pdf", "b.pdf": "s3://in/b.pdf"}
+        db,
+        spec,
+        [("a.pdf", None), ("b.pdf", None)],
+        {"a.pdf": "store:sources/aa/a.pdf", "b.pdf": "s3://in/b.pdf"},
     )
     (source_a, _), (source_b, _) = started.sources
-    rows = [UnitRow(index=i, width=448, height=448, image_key=f"img/{i}", visual_tokens=256) for i in range(3)]
+    rows = [
+        UnitRow(index=i, width=448, height=448, image_key=f"img/{i}", visual_tokens=256) for i in range(3)
+    ]
     unit_ids = add_units(db, started.job_id, source_a, rows)
     mark_units_encoded(db, [(unit_ids[1], "key1", False), (unit_ids[2], "key2", False)])
     finish_units(db, [unit_ids[2]])
@@ -162,3 +167,12 @@ def test_one_sweeper_at_a_time_on_postgresql(postgres_db):
         assert session.scalar(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": SWEEP_LOCK_KEY})
         assert _sweep(postgres_db, 600, recorder) == [] and recorder.sent == []
     assert [r.job_id for r in _sweep(postgres_db, 600, recorder)] == [job_id]
+
+
+def test_shipped_redis_defaults_redeliver_within_about_two_minutes():
+    """A dead worker's messages come back after the visibility timeout plus at most one restore
+    sweep (measured ~10 s more): about two minutes; and no task outlives the timeout."""
+    shipped = Settings()
+    assert shipped.visibility_timeout + shipped.unacked_restore_interval <= 110
+    assert shipped.task_time_limit < shipped.visibility_timeout
+    assert shipped.stall_after_s == 120

@@ -97,7 +97,10 @@ def _amqp_states(settings: Settings, stages: Sequence[str], timeout: float) -> d
 
     states: dict[str, QueueState] = {}
     with Connection(settings.broker_url, connect_timeout=timeout) as conn:
-        conn.ensure_connection(max_retries=1, timeout=timeout)
+        # One quick try: no pause between retries (kombu waits 2 s by default).
+        conn.ensure_connection(
+            max_retries=1, interval_start=0, interval_step=0, interval_max=0, timeout=timeout
+        )
         for stage in stages:
             # A fresh channel per queue: AMQP closes a channel whose passive declare fails.
             with conn.channel() as channel:
