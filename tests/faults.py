@@ -4,6 +4,7 @@ Redis server that can be restarted. Only loopback addresses are used."""
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
@@ -95,6 +96,15 @@ class TCPProxy:
     def close(self) -> None:
         self._stop.set()
         self.cut()
+
+    def outage(self, seconds: float) -> None:
+        """The service "restarts" for its clients: every connection dropped, new ones refused for
+        `seconds`, then accepted again."""
+        self.cut()
+        try:
+            time.sleep(seconds)
+        finally:
+            self.restore()
 
 
 class RedisServer:
@@ -198,3 +208,69 @@ class FlakyS3Proxy:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class PostgresCluster:
+    """A PostgreSQL cluster of the test's own (initdb, pg_ctl), so that it can be stopped and
+    started again without touching the machine's server. Runs as the `postgres` user when the
+    test runs as root (the server refuses root); trust authentication, loopback only."""
+
+    def __init__(self, bin_dir: str | None = None) -> None:
+        import pwd
+        import tempfile
+
+        found = shutil.which("initdb") or "/usr/local/bin/initdb"
+        self.bin = Path(bin_dir) if bin_dir else Path(found).parent
+        self.port = free_port()
+        # Under /tmp, not pytest's tmp_path: its root is private to the user running the tests.
+        self.dir = Path(tempfile.mkdtemp(prefix="visbatch-pg-"))
+        self.data = self.dir / "data"
+        self.log = self.dir / "server.log"
+        self._as: list[str] = []
+        if os.geteuid() == 0:
+            user = pwd.getpwnam("postgres")
+            os.chown(self.dir, user.pw_uid, user.pw_gid)
+            self._as = ["runuser", "-u", "postgres", "--"]
+        self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
+        self.start()
+
+    def _run(self, tool: str, *args: str) -> None:
+        done = subprocess.run(
+            [*self._as, str(self.bin / tool), *args], capture_output=True, text=True, timeout=120, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{tool} failed: {done.stdout}{done.stderr}{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        return self.log.read_text()[-2000:] if self.log.exists() else ""
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off"
+        self._run("pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.log), "-w", "start")
+
+    def stop(self) -> None:
+        """A fast shutdown: every session is ended, as in a restart or a failover."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
+
+    def outage(self, seconds: float) -> None:
+        self.stop()
+        try:
+            time.sleep(seconds)
+        finally:
+            self.start()
+
+    def create_database(self, name: str) -> str:
+        import psycopg
+
+        with psycopg.connect(f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres",
+                             autocommit=True) as conn:  # fmt: skip
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return self.url(name)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+        shutil.rmtree(self.dir, ignore_errors=True)

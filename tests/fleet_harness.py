@@ -38,9 +38,12 @@ class Fleet:
         database_url: str,
         worker_database_url: str | None = None,
         broker_url: str = REDIS_URL,
+        *,
+        shipped: bool = False,
     ) -> None:
         """`worker_database_url`: where workers and the CLI connect (e.g. through a fault proxy);
-        the test itself always watches through `database_url`."""
+        the test itself always watches through `database_url`. `shipped=True` keeps the shipped
+        time limit, visibility timeout and restore interval (tests about the fleet as deployed)."""
         self.tmp = tmp
         worker_url = make_url(worker_database_url or database_url).set(password=DB_PASSWORD)
         self.prefix = f"visbatch-test-{uuid.uuid4().hex[:8]}:"
@@ -51,13 +54,17 @@ class Fleet:
             "VISBATCH_DATABASE_URL": worker_url.render_as_string(hide_password=False),
             "VISBATCH_BROKER_URL": broker_url,
             "VISBATCH_BROKER_PREFIX": self.prefix,
-            "VISBATCH_TASK_TIME_LIMIT": "60",
-            "VISBATCH_VISIBILITY_TIMEOUT": "75",
-            "VISBATCH_UNACKED_RESTORE_INTERVAL": "1",
         }
+        shortened = ("TASK_TIME_LIMIT", "60"), ("VISIBILITY_TIMEOUT", "75"), ("UNACKED_RESTORE_INTERVAL", "1")
+        for name, value in shortened:
+            if shipped:
+                self.env.pop(f"VISBATCH_{name}", None)  # nor a developer's own value
+            else:
+                self.env[f"VISBATCH_{name}"] = value
         self.broker_url = broker_url
         self.db = Database(database_url)
         self.workers: list[subprocess.Popen] = []
+        self.stopped: list[subprocess.Popen] = []  # stopped on purpose (stop_worker)
 
     def set(self, **values: str) -> None:
         self.env.update({f"VISBATCH_{k.upper()}": v for k, v in values.items()})
@@ -73,6 +80,17 @@ class Fleet:
         )
         self.workers.append(proc)
         return proc
+
+    def stop_worker(self, proc: subprocess.Popen, timeout: float = 60) -> int:
+        """SIGTERM (a warm shutdown, as systemd stops it) and wait; SIGKILL after `timeout`."""
+        self.stopped.append(proc)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill(proc)
+        return proc.returncode
 
     def run_cli(self, *args: str) -> str:
         """Run `visbatch ARGS` in a separate process, as a user would; returns stdout + stderr."""
@@ -106,7 +124,8 @@ class Fleet:
             if all(self.status(j) in finished for j in job_ids):
                 return
             for proc in self.workers:
-                assert proc.poll() in (None, -signal.SIGKILL), f"worker exited with {proc.returncode}"
+                if proc not in self.stopped:
+                    assert proc.poll() in (None, -signal.SIGKILL), f"worker exited with {proc.returncode}"
             time.sleep(0.5)
         raise AssertionError(f"jobs not finished after {timeout}s: {[self.status(j) for j in job_ids]}")
 
