@@ -173,6 +173,8 @@ def _write_unit(
 ) -> dict[str, Any]:
     """Write one unit's image; its manifest record (runs in the process that made the unit)."""
     base = {"source": source, "kind": kind, "unit": item.index, "timestamp": item.timestamp}
+    if kind == "pdf":  # the page as a person reads it (from 1), beside the 0-based unit of SQL
+        base["page_number"] = item.index + 1
     if isinstance(item, UnitFailure):
         return {**base, "error": item.message}
     (root / folder).mkdir(exist_ok=True)  # with the first image: a failed source leaves no folder

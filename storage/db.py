@@ -46,6 +46,45 @@ def mask_url(url: str | URL) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
+class DatabaseUrlError(ValueError):
+    """A database URL that names no database visbatch can open: a typo in the scheme
+    (``postgresl://``), a driver that is not installed (``mysql://``), or no URL at all."""
+
+    SUPPORTED = "sqlite:///PATH or postgresql://USER:PASSWORD@HOST:5432/DB (postgresql+psycopg://)"
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"{url}: {reason}")
+        self.url = url
+        self.reason = reason
+
+
+def _shown(url: str | URL) -> str:
+    try:
+        return mask_url(url)
+    except Exception:  # noqa: BLE001 - unparsable: say it, but never its password
+        text = str(url)
+        return text.split("://", 1)[0] + "://..." if "://" in text else "(not a URL)"
+
+
+def _engine(url: str | URL, **kwargs: Any) -> Engine:
+    """create_engine, with a URL mistake as DatabaseUrlError (SQLAlchemy names a plugin or a
+    missing driver module, never the setting to change)."""
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        return create_engine(url, **kwargs)
+    except NoSuchModuleError:
+        scheme = str(url).split("://", 1)[0]
+        raise DatabaseUrlError(_shown(url), f"unknown database scheme {scheme!r}") from None
+    except ImportError as exc:
+        scheme = str(url).split("://", 1)[0]
+        raise DatabaseUrlError(
+            _shown(url), f"{scheme!r} needs the driver {exc.name or exc}, which is not installed"
+        ) from None
+    except ArgumentError as exc:
+        raise DatabaseUrlError(_shown(url), str(exc).splitlines()[0]) from None
+
+
 class Database:
     """The engine of one database URL, and its transactions.
 
@@ -54,7 +93,10 @@ class Database:
     """
 
     def __init__(self, url: str, *, echo: bool = False) -> None:
-        self.url: URL = make_url(url)
+        try:
+            self.url: URL = make_url(url)
+        except Exception as exc:  # ArgumentError, ValueError: not a URL at all
+            raise DatabaseUrlError(_shown(url), "not a database URL") from exc
         self.is_sqlite = self.url.get_backend_name() == "sqlite"
         engine_kwargs: dict[str, Any] = {"echo": echo}
         if self.is_sqlite:
@@ -63,7 +105,7 @@ class Database:
         else:
             # Fleet connections sit idle between tasks; a server restart must not break the next task.
             engine_kwargs["pool_pre_ping"] = True
-        self.engine: Engine = create_engine(self.url, **engine_kwargs)
+        self.engine: Engine = _engine(self.url, **engine_kwargs)
         if self.is_sqlite:
             _install_sqlite_hooks(self.engine)
         self._writer = self.engine.execution_options(**{_WRITE_OPTION: True})

@@ -223,4 +223,6 @@ def test_view_command_is_light_and_clear(stored_job, tmp_path):
     missing = run_cli(home, "view", "feedbeef00")
     assert missing.returncode == 2 and "no job 'feedbeef00'" in missing.stderr
     empty = run_cli(tmp_path / "empty-home", "view", "feedbeef00")
-    assert empty.returncode == 2 and "cannot read the jobs" in empty.stderr
+    # A database without visbatch's tables: exit 4 like every command, with the migration fix.
+    assert empty.returncode == 4 and "holds no visbatch tables" in empty.stderr
+    assert "visbatch db upgrade" in empty.stderr

@@ -24,19 +24,69 @@ Importing this package is light (no torch); the model is loaded by `run` when it
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from worker.cli_errors import UserError
+from worker.cli_errors import EXIT_UNAVAILABLE, Unavailable, UserError, explain
 
 if TYPE_CHECKING:
     from worker.runtime import Runtime
 
-__all__ = ["Error", "Job", "NoWorkerWarning", "job", "jobs", "run", "submit"]
+__all__ = ["Error", "Job", "NoWorkerWarning", "Unavailable", "job", "jobs", "run", "submit"]
 
-Error = UserError  # a problem a caller can fix (bad option, no input files, ...): message + fix
+# The one exception type of the package: a problem a caller can fix or meet (bad option, no input
+# files, an unwritable path, a database URL typo), with ``message`` and ``fix``, the CLI's words.
+# Its subclass Unavailable: the database, broker, store or model cannot be reached or found.
+Error = UserError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _as_error(exc: Exception) -> UserError | None:
+    error = explain(exc)
+    if error is None or error is exc:
+        return error
+    kind = Unavailable if error.code == EXIT_UNAVAILABLE else UserError
+    plain = kind(error.message, error.fix, error.code)
+    plain.original = exc  # type: ignore[attr-defined] - the driver's error, for whoever digs
+    return plain
+
+
+def _plain_errors(function: F) -> F:
+    """What the command would say in two lines is raised as visbatch.Error (or Unavailable), not
+    a page of SQLAlchemy frames; a bug stays the exception it is. A generator's errors come while
+    it is iterated: they are translated there."""
+
+    if inspect.isgeneratorfunction(function):
+
+        @functools.wraps(function)
+        def generator(*args: Any, **kwargs: Any) -> Any:
+            try:
+                yield from function(*args, **kwargs)
+            except Exception as exc:
+                error = _as_error(exc)
+                if error is None or error is exc:
+                    raise
+                raise error from None
+
+        return generator  # type: ignore[return-value]
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except Exception as exc:
+            error = _as_error(exc)
+            if error is None or error is exc:
+                raise
+            raise error from None
+
+    return wrapper  # type: ignore[return-value]
+
 
 PathLike = str | Path
 
@@ -80,6 +130,7 @@ def _files(paths: Sequence[PathLike], include: Sequence[str], exclude: Sequence[
     return selection.files
 
 
+@_plain_errors
 def run(
     paths: Sequence[PathLike],
     prompts: Sequence[str],
@@ -105,6 +156,7 @@ def run(
     return Job(job_id, rt)
 
 
+@_plain_errors
 def submit(
     inputs: Sequence[PathLike],
     prompts: Sequence[str],
@@ -137,6 +189,7 @@ class NoWorkerWarning(UserWarning):
     """A submitted job waits: no worker consumes a queue it needs."""
 
 
+@_plain_errors
 def job(job_id: str) -> Job:
     """An existing job, by id or unique prefix (6+ hex digits)."""
     from storage import repository as repo
@@ -145,6 +198,7 @@ def job(job_id: str) -> Job:
     return Job(repo.resolve_job_id(rt.db, job_id), rt)
 
 
+@_plain_errors
 def jobs(limit: int = 20) -> list[dict[str, Any]]:
     """The newest jobs first, with their counters (`visbatch jobs`)."""
     from storage import repository as repo
@@ -162,6 +216,7 @@ class Job:
     def __repr__(self) -> str:
         return f"Job({self.id!r}, status={self.status!r})"
 
+    @_plain_errors
     def summary(self) -> dict[str, Any]:
         """Status, counters, tokens, timing and errors (`visbatch status JOB --json`)."""
         from storage import repository as repo
@@ -169,6 +224,7 @@ class Job:
         return repo.job_summary(self._rt.db, self.id)
 
     @property
+    @_plain_errors
     def status(self) -> str:
         from storage import repository as repo
 
@@ -176,6 +232,7 @@ class Job:
         return state[0] if state else "gone"
 
     @property
+    @_plain_errors
     def prompts(self) -> list[str]:
         from storage import repository as repo
 
@@ -187,13 +244,15 @@ class Job:
         """Failed sources, pages/frames and answers, each with its source, place and prompt."""
         return self.summary()["errors"]
 
+    @_plain_errors
     def results(self) -> Iterator[dict[str, Any]]:
         """Every answer (errors included: see ``error``), ordered by source, page, prompt; streamed."""
         from storage import repository as repo
         from worker.results_export import export_records
 
-        return export_records(repo.iter_results(self._rt.db, self.id), self.prompts)
+        yield from export_records(repo.iter_results(self._rt.db, self.id), self.prompts)
 
+    @_plain_errors
     def to_pandas(self) -> Any:
         """The answers as a pandas DataFrame, one row per page/frame x prompt (needs pandas)."""
         try:
@@ -204,6 +263,7 @@ class Job:
 
         return pd.DataFrame.from_records(list(self.results()), columns=EXPORT_FIELDS)
 
+    @_plain_errors
     def write(self, path: PathLike, format: str | None = None) -> Path:  # noqa: A002 - as the CLI
         """Write the answers to a file: jsonl, csv or parquet (by `format`, else the extension)."""
         from worker.results_export import FORMATS, write_csv, write_jsonl, write_parquet
@@ -219,6 +279,7 @@ class Job:
                 (write_csv if fmt == "csv" else write_jsonl)(self.results(), handle)
         return path
 
+    @_plain_errors
     def by_document(self, out_dir: PathLike) -> list[Path]:
         """One file per source, pages in order: Markdown (text answers) or JSON (schema answers)."""
         from storage import repository as repo
@@ -228,6 +289,7 @@ class Job:
         as_json = bool(state and state[1].get("json_schema") is not None)
         return write_by_document(self.results(), Path(out_dir), self.prompts, as_json=as_json)
 
+    @_plain_errors
     def wait(self, timeout: float | None = None, poll_seconds: float = 1.0) -> Job:
         """Until the job ends (a fleet job); returns self."""
         from worker.submit import wait_for_job
@@ -235,6 +297,7 @@ class Job:
         wait_for_job(self._rt, self.id, poll_seconds=poll_seconds, timeout=timeout)
         return self
 
+    @_plain_errors
     def cancel(self) -> Job:
         """Stop the job's remaining work; what is done stays."""
         from worker.submit import cancel_job
@@ -242,6 +305,7 @@ class Job:
         cancel_job(self._rt, self.id)
         return self
 
+    @_plain_errors
     def resume(self, progress: Any = None) -> Job:
         """Continue a stopped job in this process (`visbatch resume`)."""
         from worker.embedded import EmbeddedRun

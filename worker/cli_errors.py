@@ -11,7 +11,9 @@ command (worker.cli_group), so a new command gets it without a try/except of its
 
 from __future__ import annotations
 
+import errno
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +53,11 @@ class UserError(Exception):
         return self.message
 
 
+class Unavailable(UserError):
+    """Something a call needs cannot be reached or found (database, broker, store, model): the
+    Python API raises it where the command exits 4."""
+
+
 def first_line(text: object) -> str:
     lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
     return lines[0] if lines else ""
@@ -70,18 +77,24 @@ def explain(exc: BaseException) -> UserError | None:
     """A known failure as a UserError; None when it is not one we know (a bug)."""
     if isinstance(exc, UserError):
         return exc
+    if isinstance(exc, OSError) and exc.filename is not None and exc.errno in _PATH_FIXES:
+        return _path_error(exc)
+    from storage.db import DatabaseUrlError
+
+    if isinstance(exc, DatabaseUrlError):
+        return UserError(
+            f"VISBATCH_DATABASE_URL {exc.url}: {exc.reason}",
+            f"correct VISBATCH_DATABASE_URL: {DatabaseUrlError.SUPPORTED} (unset, it is a SQLite "
+            "file under $VISBATCH_HOME)",
+            EXIT_USAGE,
+        )
     module = type(exc).__module__ or ""
     # The database (SQLAlchemy wraps the driver's error; the URL is masked: no password).
     if module.startswith("sqlalchemy"):
         from sqlalchemy.exc import DBAPIError
 
         if isinstance(exc, DBAPIError):
-            return UserError(
-                f"cannot use the database {_database_url()}: {first_line(exc.orig or exc)}",
-                "start the database server, or point VISBATCH_DATABASE_URL at a reachable one "
-                "(unset, it is a SQLite file under $VISBATCH_HOME)",
-                EXIT_UNAVAILABLE,
-            )
+            return _database_error(exc)
     # The Celery broker (kombu) for `submit`, `cancel`, `worker`.
     if module.startswith(("kombu", "amqp")):
         from storage.db import mask_url
@@ -122,6 +135,69 @@ def explain(exc: BaseException) -> UserError | None:
     if isinstance(exc, NotFound):
         return UserError(str(exc), "`visbatch jobs` lists the recent jobs", EXIT_USAGE)
     return None
+
+
+def _database_error(exc: Any) -> UserError:
+    reason = first_line(exc.orig or exc)
+    # Reachable, but not migrated (an empty file, or a database of an older visbatch).
+    if "no such table" in reason or "UndefinedTable" in type(exc.orig).__name__:
+        return UserError(
+            f"the database {_database_url()} holds no visbatch tables: {reason}",
+            "run `visbatch db upgrade`, or point VISBATCH_DATABASE_URL at visbatch's database",
+            EXIT_UNAVAILABLE,
+        )
+    return UserError(
+        f"cannot use the database {_database_url()}: {reason}",
+        "start the database server, or point VISBATCH_DATABASE_URL at a reachable one "
+        "(unset, it is a SQLite file under $VISBATCH_HOME)",
+        EXIT_UNAVAILABLE,
+    )
+
+
+# A path the user gave (an output file or folder, an input) that cannot be used: the errno's
+# fix. Only these: another OSError (a full pipe, a reset socket) is not about a path.
+_PATH_FIXES = {
+    errno.ENOENT: "create the folder first, or choose a path in a folder that exists",
+    errno.ENOTDIR: "a part of the path is a file, not a folder: choose another path",
+    errno.EACCES: "choose a path you may write to, or change its permissions",
+    errno.EPERM: "choose a path you may write to, or change its permissions",
+    errno.EROFS: "the file system is read-only: choose a path on another one",
+    errno.EISDIR: "that is a folder: give a file name",
+    errno.EEXIST: "choose another path, or remove what is there",
+    errno.ENOSPC: "free some disk space, or choose a path on another disk",
+    errno.ENAMETOOLONG: "choose a shorter path",
+}
+
+
+def _path_error(exc: OSError) -> UserError:
+    reason = (exc.strerror or type(exc).__name__).lower()
+    if exc.errno == errno.ENOENT:
+        # Name the folder that is missing: the file itself is missing because it is not written yet.
+        missing = os.path.dirname(os.path.abspath(os.fsdecode(exc.filename)))
+        while missing and not os.path.exists(os.path.dirname(missing)) and missing != "/":
+            missing = os.path.dirname(missing)
+        if missing and not os.path.exists(missing):
+            reason = f"the folder {missing} does not exist"
+    fix = _PATH_FIXES[exc.errno or 0]
+    if exc.errno == errno.EEXIST and os.path.isfile(exc.filename):  # mkdir over a file
+        reason, fix = "a file, not a folder", _PATH_FIXES[errno.ENOTDIR]
+    return UserError(f"{os.fsdecode(exc.filename)}: {reason}", fix, EXIT_USAGE)
+
+
+def is_broken_pipe(exc: BaseException) -> bool:
+    return isinstance(exc, BrokenPipeError) or (isinstance(exc, OSError) and exc.errno == errno.EPIPE)
+
+
+def end_quietly_on_broken_pipe() -> int:
+    """The reader of stdout went away (`visbatch results JOB | head -1`): stop as Unix tools do,
+    silently, exit 0. Stdout is pointed at /dev/null so that the interpreter's last flush of what
+    is still buffered does not fail again ("Exception ignored ... BrokenPipeError")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real stdout (embedded in another program): nothing to quiet
+        pass
+    return EXIT_OK
 
 
 MODEL_FIX = (

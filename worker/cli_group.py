@@ -15,7 +15,17 @@ import typer
 import typer.main
 from typer.core import TyperArgument, TyperGroup
 
-from worker.cli_errors import EXIT_INTERNAL, EXIT_USAGE, UserError, debug_enabled, explain, first_line, report
+from worker.cli_errors import (
+    EXIT_INTERNAL,
+    EXIT_USAGE,
+    UserError,
+    debug_enabled,
+    end_quietly_on_broken_pipe,
+    explain,
+    first_line,
+    is_broken_pipe,
+    report,
+)
 
 try:  # typer vendors click (typer._click): its usage errors are not the click package's
     from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
@@ -75,6 +85,8 @@ class VisbatchGroup(TyperGroup):
         except ClickException:
             raise
         except Exception as exc:
+            if is_broken_pipe(exc):  # `visbatch results JOB | head -1`: the reader has had enough
+                raise typer.Exit(end_quietly_on_broken_pipe()) from None
             if debug_enabled(ctx):
                 raise
             error = explain(exc)

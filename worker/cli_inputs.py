@@ -33,3 +33,32 @@ def chosen_files(paths: Sequence[Path], job: JobOptions, *, quiet: bool = False)
     if note and not quiet:
         typer.echo(note, err=True)
     return selection.files
+
+
+def unreadable_reason(path: Path) -> str | None:
+    """Why a file surely cannot be a source, from its first bytes alone (no PDF or video library:
+    those run isolated, in the job); None when it may be one."""
+    from ingest.detect import PDF_MAGIC, PDF_MAGIC_WINDOW
+
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(PDF_MAGIC_WINDOW)
+    except OSError as exc:
+        return (exc.strerror or type(exc).__name__).lower()
+    if not head:
+        return "empty file"
+    if path.suffix.lower() == ".pdf" and PDF_MAGIC not in head:
+        return "not a PDF (no %PDF- header in its first 1 KiB)"
+    return None
+
+
+def check_readable(files: Sequence[Path]) -> None:
+    """Refuse (exit 2) before any model loads when not one file can be a source: a job of only
+    failed sources would take the model's load time to say what these bytes already say. Some
+    bad files among good ones do not stop the run: each becomes its source's error in the job."""
+    reasons = {path: unreadable_reason(path) for path in files}
+    if all(reasons.values()):
+        shown = "; ".join(f"{path}: {reason}" for path, reason in list(reasons.items())[:5])
+        raise UserError(
+            f"no input can be read: {shown}", "give readable PDFs, videos or images (nothing was started)"
+        )

@@ -53,11 +53,18 @@ def is_terminal(stream: Any) -> bool:
         return False
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        # rich exits 1 on a closed pipe; the command group ends quietly with 0 (worker.cli_errors).
+        self.quiet = True
+        raise BrokenPipeError
+
+
 def make_console(*, stderr: bool) -> Console:
     """A console that wraps only in a terminal (soft_wrap elsewhere: one message, one line)."""
     stream = sys.stderr if stderr else sys.stdout
     terminal = is_terminal(stream)
-    return Console(stderr=stderr, soft_wrap=not terminal, highlight=False)
+    return _Console(stderr=stderr, soft_wrap=not terminal, highlight=False)
 
 
 def shown_path(uri: str) -> str:

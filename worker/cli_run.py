@@ -29,7 +29,7 @@ from worker.cli_errors import (
     UserError,
     first_line,
 )
-from worker.cli_inputs import chosen_files
+from worker.cli_inputs import check_readable, chosen_files
 from worker.cli_options import JobOptions, job_options
 from worker.cli_output import print_preview, print_summary, progress_display, shown_path
 from worker.plan_cli import plan
@@ -50,10 +50,11 @@ def _model_origin(rt: Any, explicit: str | None) -> str:
     return origin if origin == "VISBATCH_MODEL" else shown_path(origin)
 
 
-def _prepare_model(rt: Any, explicit: str | None, *, weights: bool = True) -> None:
+def _prepare_model(rt: Any, explicit: str | None, *, origin: str | None = None, weights: bool = True) -> None:
     """Say which model the command uses, and fail in seconds, with the fix, when it cannot be
     had: the token rule (its small JSON files) first, then the weights."""
-    console.print(f"model: {escape(rt.model_name)} (from {escape(_model_origin(rt, explicit))})")
+    origin = origin or _model_origin(rt, explicit)
+    console.print(f"model: {escape(rt.model_name)} (from {escape(origin)})")
     # Loading bars of the hub and transformers are noise in a log; the model line says what loads.
     # (Read when huggingface_hub is imported: before the token rule below imports it.)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -101,6 +102,19 @@ def _results_hint(job_id: str) -> str:
         f"all answers: visbatch results {job_id}  (--format csv|parquet -o FILE, "
         f"--by-document DIR; status: visbatch status {job_id})"
     )
+
+
+def _print_answers(rt: Any, job_id: str, summary: dict[str, Any]) -> None:
+    """The first answers and the command for all of them; a job without one answer advertises
+    none (its errors are in the summary above)."""
+    from storage.jobs import preview_per_source
+
+    if not summary.get("results"):
+        console.print(f"no answers; every error: visbatch status {job_id}")
+        return
+    prompts = list(summary["spec"].get("prompts") or [])
+    print_preview(console, job_id, prompts, preview_per_source(rt.db, job_id))
+    console.print(_results_hint(job_id))
 
 
 MetricsPort = Annotated[
@@ -151,9 +165,7 @@ def _run_embedded(rt: Any, start: Any, metrics_port: int | None = None) -> None:
             f"Resume with: visbatch resume {job['id']}"
         )
         raise typer.Exit(EXIT_INTERRUPTED)
-    prompts = list(summary["spec"].get("prompts") or [])
-    print_preview(console, job["id"], prompts, repo.preview_results(rt.db, job["id"], per_prompt=3))
-    console.print(_results_hint(job["id"]))
+    _print_answers(rt, job["id"], summary)
     _exit_for(summary["status"])
 
 
@@ -165,7 +177,9 @@ def run(paths: Paths, job: JobOptions, metrics_port: MetricsPort = None) -> None
     1 partial, 2 bad input, 3 failed, 4 model or database unavailable, 130 interrupted."""
     spec = job.spec()
     files = chosen_files(paths, job)
+    check_readable(files)
     rt = make_runtime(job.model)
+    rt.db  # noqa: B018 - the database reachable and migrated before the model's seconds of loading
     _prepare_model(rt, job.model)
     _run_embedded(rt, lambda embedded, on_job: embedded.run(files, spec, on_job), metrics_port)
 
@@ -186,7 +200,9 @@ def resume(job: JobId, metrics_port: MetricsPort = None) -> None:
         )
     model = state[1].get("model")
     rt = make_runtime(model)
-    _prepare_model(rt, model)
+    # The model is the job's own (its spec), else this folder's choice: never "--model", which
+    # `resume` does not take.
+    _prepare_model(rt, None, origin="the job's spec" if model else None)
     _run_embedded(rt, lambda embedded, on_job: embedded.resume(full_id, on_job), metrics_port)
 
 
@@ -224,7 +240,6 @@ def submit(
 
 
 def _wait(rt: Any, job_id: str) -> None:
-    from storage import repository as repo
     from worker.submit import wait_for_job
 
     with progress_display(console) as progress:
@@ -239,9 +254,7 @@ def _wait(rt: Any, job_id: str) -> None:
 
         summary = wait_for_job(rt, job_id, show)
     print_summary(console, summary)
-    prompts = list(summary["spec"].get("prompts") or [])
-    print_preview(console, job_id, prompts, repo.preview_results(rt.db, job_id, per_prompt=3))
-    console.print(_results_hint(job_id))
+    _print_answers(rt, job_id, summary)
     _exit_for(summary["status"])
 
 

@@ -158,9 +158,16 @@ class EmbeddedRun:
             target=self._guard, args=(self._encode_loop, spec, to_encode, generate, waits), name="encode"
         )
         encoder.start()
+        # A resumed job's units stored by the run before count in the totals: progress then
+        # reads `encoded 8/8`, not `encoded 8/0`.
+        with self._counts.lock:
+            self._counts.units += len(pending or []) + len(encoded or [])
+            self._counts.encoded += len(encoded or [])
         try:
             if encoded:
-                waits.append(generate.submit([(u, spec) for u in encoded]))
+                future = generate.submit([(u, spec) for u in encoded])
+                future.add_done_callback(self._answered)
+                waits.append(future)
             for start in range(0, len(pending or []), 64):
                 self._put(to_encode, (pending or [])[start : start + 64])
             self._ingest_all(job_id, spec, sources, to_encode, resuming)

@@ -78,21 +78,27 @@ def run_ingest(
 def _token_counter(model: str | None):
     """The token rule's counter and the model's name, or (None, None) without a usable model.
 
-    A model named with --model must be usable (else a usage error); one from VISBATCH_MODEL that
-    cannot be read only costs the counts, with a note.
+    The model is chosen as `run` chooses it (--model, VISBATCH_MODEL, then this folder's
+    `visbatch model use`), but the built-in default is not reached for: ingest needs no model, and
+    must not wait on the hub for one nobody chose. A model named with --model must be usable
+    (else a usage error); a chosen one that cannot be read only costs the counts, with a note.
     """
     from ingest.token_rules import load_token_rule
+    from storage.settings import Settings
 
-    name = model or os.environ.get("VISBATCH_MODEL") or None
+    settings = Settings()
+    chosen = settings.model if settings.model_origin != "default" else None
+    name = model or chosen
     if name is None:
         return None, None
-    revision = os.environ.get("VISBATCH_MODEL_REVISION") or None
     try:
-        rule = load_token_rule(name, revision)
+        rule = load_token_rule(name, settings.model_revision)
     except (OSError, ValueError) as exc:  # unreachable files, unsupported family, bad JSON
         if model is not None:
             _fail(f"--model {name}: {exc}")
-        print(f"note: no visual-token counts: VISBATCH_MODEL={name}: {exc}", file=sys.stderr)
+        origin = settings.model_origin
+        where = f"VISBATCH_MODEL={name}" if origin == "VISBATCH_MODEL" else f"{name} (from {origin})"
+        print(f"note: no visual-token counts: {where}: {exc}", file=sys.stderr)
         return None, None
     return rule.visual_tokens, name
 
@@ -163,7 +169,11 @@ class IngestProgress:
             _plural(self.failed_units, "page or frame", "pages or frames") if self.failed_units else "",
         ]
         failed_text = " and ".join(f for f in failed if f)
-        tokens = f"visual tokens counted for {model}" if model else "no visual-token counts (no --model)"
+        tokens = (
+            f"visual tokens counted for {model}"
+            if model
+            else "no visual-token counts (no model chosen: --model or `visbatch model use`)"
+        )
         self.line(
             f"ingest: wrote {self._counts()} from {_plural(len(self.sources), 'source')} to {out_dir} "
             f"in {now - self.started:.1f} s ({self._rate(now)}); {tokens}"

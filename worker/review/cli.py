@@ -43,12 +43,6 @@ def _open() -> tuple[Settings, Database, ObjectStore]:
     return settings, db, store
 
 
-def _database_error(db: Database, exc: Any) -> None:
-    first = str(exc.orig).splitlines()[0] if exc.orig else str(exc)
-    hint = "set VISBATCH_DATABASE_URL, or run `visbatch db upgrade`"
-    _fail(f"cannot read the jobs in {db.masked_url}: {first} ({hint})")
-
-
 def view(
     job: Annotated[str, typer.Argument(help="Job id or a unique prefix (6+ hex digits).")],
     out: Annotated[
@@ -60,8 +54,8 @@ def view(
 ) -> None:
     """Review a job: each page or frame beside every answer, with errors, skips and tokens.
     Serves it over local HTTP, or writes a static site with --out DIR (open DIR/index.html)."""
-    from sqlalchemy.exc import DBAPIError
-
+    # A database that is down or not migrated is the command group's to explain (exit 4, the
+    # same two lines as every command: worker.cli_errors).
     from storage.repository import JobNotFound
     from worker.review.images import Thumbnails, default_thumbnail_dir, remove_folder
     from worker.review.site import ReviewSite
@@ -79,8 +73,6 @@ def view(
             return
     except JobNotFound as exc:
         _fail(str(exc))
-    except DBAPIError as exc:
-        _database_error(db, exc)
     from worker.review.server import make_server
 
     thumb_dir, temporary = default_thumbnail_dir(settings.resolved_home)
@@ -119,8 +111,6 @@ def compare(
 ) -> None:
     """Agreement of two runs over the same sources and prompts (e.g. --detail low against high):
     per prompt (exact text, JSON field by field), visual tokens each spent, pages where they differ."""
-    from sqlalchemy.exc import DBAPIError
-
     from storage.repository import JobNotFound
     from worker.review.compare import CompareError, compare_jobs
 
@@ -129,9 +119,6 @@ def compare(
         comparison = compare_jobs(db, job_a, job_b, page_limit=limit)
     except (JobNotFound, CompareError) as exc:
         _fail(str(exc))
-        raise  # unreachable
-    except DBAPIError as exc:
-        _database_error(db, exc)
         raise  # unreachable
     if html is not None:
         from worker.review.compare_html import write_compare_site
