@@ -297,6 +297,9 @@ def job_summary(db: Database, job_id: str, *, max_errors: int = MAX_ERRORS) -> d
         "progress_at": iso(job.updated_at),
         "resumed_at": iso(job.resumed_at),
         "fleet": fleet,
+        # The process that runs it in one process ("HOST:PID:START"; worker.job_activity tells
+        # whether it is gone).
+        "process": job.process,
         "outstanding": outstanding,
         "errors": errors,
         "errors_truncated": truncated,
@@ -329,10 +332,16 @@ def _timing(job: Any) -> dict[str, Any]:
 
 
 def list_jobs(db: Database, limit: int = 20) -> list[dict[str, Any]]:
-    """The newest jobs first, with their counters."""
+    """The newest jobs first, with their counters; a running job run in one process also has its
+    process (and `fleet`: False), for `jobs` to tell one whose process is gone."""
     stmt = select(JOBS).order_by(JOBS.c.created_at.desc(), JOBS.c.id).limit(limit)
     with db.session(readonly=True) as session:
         jobs = session.execute(stmt).all()
+        fleet = {
+            job.id: is_fleet_job(session, job.id)
+            for job in jobs
+            if job.status == JobStatus.RUNNING and job.process
+        }
     return [
         {
             "id": job.id,
@@ -346,9 +355,33 @@ def list_jobs(db: Database, limit: int = 20) -> list[dict[str, Any]]:
             "units_pending": job.units_pending,
             "results_total": job.results_total,
             "results_failed": job.results_failed,
+            "process": job.process,
+            "fleet": fleet.get(job.id),
         }
         for job in jobs
     ]
+
+
+def cancel_if_running(db: Database, job_id: str, error: str) -> bool:
+    """End a running job `cancelled` with `error` (a job that has just finished keeps its status);
+    True when it did."""
+    stmt = (
+        update(JOBS)
+        .where(JOBS.c.id == job_id, JOBS.c.status == JobStatus.RUNNING.value)
+        .values(status=JobStatus.CANCELLED.value, error=error, finished_at=now_param())
+        .returning(JOBS.c.id)
+    )
+    with db.session() as session:
+        return session.execute(stmt).first() is not None
+
+
+def record_process(db: Database, job_id: str, process: str) -> None:
+    """Record the process that runs the job now ("HOST:PID:START", worker.job_activity); it is not
+    progress, so updated_at stays as it was."""
+    with db.session() as session:
+        session.execute(
+            update(JOBS).where(JOBS.c.id == job_id).values(process=process, updated_at=JOBS.c.updated_at)
+        )
 
 
 @dataclass(frozen=True, slots=True)

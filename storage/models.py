@@ -207,6 +207,11 @@ JOBS = Table(
     # When the fleet last resumed this job on its own, for want of progress (migration 0005,
     # worker.stall_watch): not again within the stall threshold.
     Column("resumed_at", UTCDateTime, nullable=True),
+    # The process that runs (or last ran) the job in one process (migration 0006): "HOST:PID:START",
+    # START being the process's start time (so that a reused pid is not taken for it; empty where
+    # it cannot be read). `status` and `jobs` say `interrupted` when that process is gone
+    # (worker.job_activity); kept as history when the run ends. NULL for a fleet job.
+    Column("process", Text, nullable=True),
 )
 
 SOURCES = Table(

@@ -293,7 +293,8 @@ def status(
 
     rt = make_runtime(None)
     summary = repo.job_summary(rt.db, job)
-    summary["activity"] = job_activity(rt.settings, summary)  # stalled, or waiting for a worker
+    # Stalled, waiting for a worker, or interrupted (its process is gone).
+    summary["activity"] = job_activity(rt.settings, summary)
     if as_json:
         # Plain print: machine-readable output must not be wrapped or styled.
         print(json.dumps(summary, default=str, indent=2))
@@ -365,6 +366,7 @@ def jobs(limit: Annotated[int, typer.Option(metavar="N", help="How many, newest 
     from rich.table import Table
 
     from storage import repository as repo
+    from worker.job_activity import shown_status
 
     rt = make_runtime(None)
     # No borders, nothing cut: fits 80 columns with a 12-digit id (any unique prefix works).
@@ -375,15 +377,24 @@ def jobs(limit: Annotated[int, typer.Option(metavar="N", help="How many, newest 
             no_wrap=True,
             justify="right" if name in ("sources", "pages", "answers", "errors") else "left",
         )
+    interrupted: list[str] = []
     for item in repo.list_jobs(rt.db, limit=limit):
+        shown = shown_status(item)
+        if shown == "interrupted":
+            interrupted.append(item["id"][:12])
         created = str(item["created_at"] or "")[:16].replace("T", " ")
         errors = sum(int(item.get(key) or 0) for key in ("sources_failed", "units_failed", "results_failed"))
         answers = int(item.get("results_total") or 0) - int(item.get("results_failed") or 0)
         table.add_row(
-            item["id"][:12], item["status"], created, str(item.get("sources_total") or 0),
+            item["id"][:12], shown, created, str(item.get("sources_total") or 0),
             str(item.get("units_total") or 0), str(answers), str(errors),
         )  # fmt: skip
     out.print(table)
+    if interrupted:  # stderr: the table stays what a script reads
+        which = "the process that ran it is gone; continue it"
+        if len(interrupted) > 1:
+            which = f"{len(interrupted)} jobs whose process is gone; continue one"
+        console.print(f"interrupted: {which}: visbatch resume {interrupted[0]}", highlight=False)
 
 
 _register_review(app)

@@ -200,8 +200,12 @@ def summary_lines(s: dict[str, Any]) -> list[tuple[str, str]]:
     def n(key: str) -> int:
         return int(s.get(key) or 0)
 
+    activity = s.get("activity")
+    status = str(s["status"])
+    if activity and activity.get("state") == "interrupted":
+        status = "interrupted"  # its process is gone: derived (the stored status stays running)
     lines = [
-        ("status", str(s["status"])),
+        ("status", status),
         ("sources", f"{n('sources_total'):,} ({n('sources_failed'):,} failed)"),
         ("pages+frames", f"{n('units_total'):,} ({n('units_failed'):,} failed)"),
         ("answers", f"{n('results'):,} ({n('results_failed'):,} failed)"),
@@ -213,9 +217,9 @@ def summary_lines(s: dict[str, Any]) -> list[tuple[str, str]]:
     if model:
         lines.append(("model", str(model)))
     lines += token_lines(s.get("tokens"))
-    activity = s.get("activity")
-    # A job that waits for a worker or has stalled gets the reason, not an ETA it will not keep.
-    lines += timing_lines(s.get("timing"), eta=activity is None)
+    # A job that waits for a worker, has stalled or was interrupted gets the reason, not an ETA
+    # it will not keep.
+    lines += timing_lines(s.get("timing"), eta=activity is None or bool(activity.get("eta")))
     if activity:
         lines.append(("progress", str(activity["message"])))
     if s.get("error"):

@@ -70,23 +70,93 @@ def _prepare_model(rt: Any, explicit: str | None, *, origin: str | None = None, 
 
 
 _SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
+_AGAIN = {signal.SIGINT: "press Ctrl-C again", signal.SIGTERM: "a second SIGTERM"}
+_LAST_WRITE_S = 2.0  # a second signal waits at most this long for the job row to say cancelled
+
+
+def _say(message: str) -> None:
+    """One line on stderr from a signal handler: os.write, not the console, whose lock the
+    interrupted code may hold. In a terminal the line starts afresh and the cursor that the
+    progress bars hid comes back."""
+    import sys
+
+    prefix = "\r\x1b[2K\x1b[?25h" if sys.stderr.isatty() else "\n"
+    with contextlib.suppress(OSError):
+        os.write(2, (prefix + message + "\n").encode("utf-8", "replace"))
+
+
+def _exit_now(run: Any, signum: int, ended: bool, *, second: bool) -> None:
+    """A second signal (or one after the run ended): leave at once (exit 128+signal), but first say
+    which job and how to continue it, and end the job `cancelled` if the database answers within
+    _LAST_WRITE_S (else `status` and `jobs` tell it `interrupted`: its process is gone)."""
+    import threading
+
+    name = _SIGNAL_NAMES[signal.Signals(signum)]
+    by = f"second {name}" if second else name
+    job_id = run.job_id
+    if job_id is None:
+        _say(f"stopped at once ({by}): no job was created")
+    elif ended and run.stop_reason is None:
+        _say(f"stopped at once ({by}): job {job_id} has ended; see it: visbatch status {job_id}")
+    else:
+        state = "cancelled" if ended else "left unfinished"
+        _say(
+            f"stopped at once ({by}): job {job_id} {state}; finished work is kept. "
+            f"Resume with: visbatch resume {job_id}"
+        )
+    if job_id is not None and not ended:
+
+        def cancel() -> None:
+            from storage.jobs import cancel_if_running
+
+            with contextlib.suppress(Exception):
+                reason = f"interrupted by a {by}, at once; finished work is kept"
+                cancel_if_running(run.rt.db, job_id, reason)
+
+        writer = threading.Thread(target=cancel, name="last-write", daemon=True)
+        writer.start()
+        writer.join(_LAST_WRITE_S)
+    os._exit(128 + signum)
+
+
+class _Signals:
+    """What the handler knows: the signals so far, and whether the run has ended (its summary is
+    being printed)."""
+
+    count = 0
+    ended = False
 
 
 @contextlib.contextmanager
-def _stop_on_signals(run: Any) -> Iterator[None]:
+def _stop_on_signals(run: Any) -> Iterator[_Signals]:
     """SIGINT and SIGTERM stop the run promptly (the job ends cancelled, its work kept); a second
-    signal exits at once."""
+    signal, during the stop or the summary after it, leaves at once, still naming the job and
+    the resume command."""
+    import threading
+
     previous = {sig: signal.getsignal(sig) for sig in _SIGNAL_NAMES}
+    seen = _Signals()
 
     def handler(signum: int, _frame: Any) -> None:
-        if run.stop.is_set():
+        seen.count += 1
+        if seen.count > 2:  # a third one while the second leaves
             os._exit(128 + signum)
-        run.request_stop(f"interrupted by {_SIGNAL_NAMES[signal.Signals(signum)]}")
+        if seen.count == 2 or seen.ended:  # the run has ended: nothing left to stop gently
+            _exit_now(run, signum, seen.ended, second=seen.count == 2)
+        name = _SIGNAL_NAMES[signal.Signals(signum)]
+        run.request_stop(f"interrupted by {name}")
+        if run.job_id is not None:
+            # From a thread: the progress display's lock may be held by the code interrupted here.
+            note = (
+                f"{name}: stopping job {run.job_id}, finished work is kept "
+                f"({_AGAIN[signum]} to leave at once)"
+            )
+            threading.Thread(target=run.progress.note, args=(note,), name="stop-note", daemon=True).start()
 
     for sig in _SIGNAL_NAMES:
         signal.signal(sig, handler)
     try:
-        yield
+        yield seen
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
@@ -137,36 +207,39 @@ def _run_embedded(rt: Any, start: Any, metrics_port: int | None = None) -> None:
         print(job_id, flush=True)  # stdout: a script can always resume or inspect it
         console.print(f"job {job_id} started")
 
-    with progress_display(console) as progress:
-        embedded = EmbeddedRun(rt, progress)
-        if metrics_port is not None:
-            from worker import metrics
+    embedded = EmbeddedRun(rt)
+    # The signal handlers last until the summary is out: a second Ctrl-C there still names the job.
+    with _stop_on_signals(embedded) as signals:
+        with progress_display(console) as progress:
+            embedded.progress = progress
+            if metrics_port is not None:
+                from worker import metrics
 
-            metrics.serve(
-                metrics_port,
-                host="127.0.0.1",
-                collectors=[
-                    metrics.job_states(rt.settings.sqlalchemy_url()),
-                    metrics.QueueDepthCollector(embedded.queue_depths),
-                ],
-            )
-        with _stop_on_signals(embedded):
+                metrics.serve(
+                    metrics_port,
+                    host="127.0.0.1",
+                    collectors=[
+                        metrics.job_states(rt.settings.sqlalchemy_url()),
+                        metrics.QueueDepthCollector(embedded.queue_depths),
+                    ],
+                )
             start(embedded, on_job)
-    summary = repo.job_summary(rt.db, job["id"])
-    print_summary(console, summary)
-    done = embedded.work_done()
-    console.print(
-        f"this run: {done['split']} pages/frames split, {done['tower_images']} images through the "
-        f"vision tower, {done['answers']} answers generated"
-    )
-    if embedded.stop_reason is not None:
+        signals.ended = True
+        summary = repo.job_summary(rt.db, job["id"])
+        print_summary(console, summary)
+        done = embedded.work_done()
         console.print(
-            f"stopped: job {job['id']} cancelled ({escape(embedded.stop_reason)}); finished work is kept. "
-            f"Resume with: visbatch resume {job['id']}"
+            f"this run: {done['split']} pages/frames split, {done['tower_images']} images through the "
+            f"vision tower, {done['answers']} answers generated"
         )
-        raise typer.Exit(EXIT_INTERRUPTED)
-    _print_answers(rt, job["id"], summary)
-    _exit_for(summary["status"])
+        if embedded.stop_reason is not None:
+            console.print(
+                f"stopped: job {job['id']} cancelled ({escape(embedded.stop_reason)}); finished work is "
+                f"kept. Resume with: visbatch resume {job['id']}"
+            )
+            raise typer.Exit(EXIT_INTERRUPTED)
+        _print_answers(rt, job["id"], summary)
+        _exit_for(summary["status"])
 
 
 @app.command()

@@ -101,12 +101,14 @@ class EmbeddedRun:
         self._failure: BaseException | None = None
         self._depths: dict[str, Callable[[], int]] = {}
         self.answers = 0  # answers this run stored
+        self.job_id: str | None = None  # once known: a second Ctrl-C still names it
 
     # --- entry points ----------------------------------------------------------------------------
 
     def run(self, paths: list[Path], spec: JobSpec, on_job: Callable[[str], None] | None = None) -> str:
         """Create a job for `paths` and run it; `on_job` hears its id before any work starts."""
         job_id, sources = start_local_job(self.rt, paths, spec)
+        self._claim(job_id)
         if on_job is not None:
             on_job(job_id)
         self.execute(job_id, spec, sources)
@@ -114,6 +116,7 @@ class EmbeddedRun:
 
     def resume(self, job_id: str, on_job: Callable[[str], None] | None = None) -> str:
         reopened, spec = reopen_job(self.rt, job_id)
+        self._claim(reopened.job_id)
         if on_job is not None:
             on_job(reopened.job_id)
         sources = [SourceToIngest(sid, uri, uri) for sid, uri in reopened.sources]
@@ -121,6 +124,15 @@ class EmbeddedRun:
         encoded = repo.units_in_state(self.rt.db, reopened.job_id, UnitStatus.ENCODED)
         self.execute(reopened.job_id, spec, sources, pending=pending, encoded=encoded, resuming=True)
         return reopened.job_id
+
+    def _claim(self, job_id: str) -> None:
+        """Record this process in the job row: a job whose process is gone (kill -9, a second
+        Ctrl-C, a closed lid) is then shown `interrupted`, not `running` (worker.job_activity)."""
+        from storage.jobs import record_process
+        from worker.job_activity import this_process
+
+        self.job_id = job_id
+        record_process(self.rt.db, job_id, this_process())
 
     def request_stop(self, reason: str) -> None:
         """Stop as soon as possible (any thread, e.g. a signal handler); the job ends cancelled."""
