@@ -7,8 +7,8 @@ restore interval, metrics on: three workers on one host). Its own PostgreSQL clu
 machine's RabbitMQ cannot be restarted: the RabbitMQ fleet reaches it through a TCP proxy that
 drops every connection and refuses new ones for 3 s, which is what a broker restart is to a client.
 
-Each fault is triggered by an event, not a sleep: "during ingest", when the job's first unit rows
-appear while its slow PDF still renders; "during generate", when its first results appear. After
+Each fault is triggered by an event, not a sleep: "during ingest", when a slow PDF's first unit
+rows appear (it still renders); "during generate", when the job's first results appear. After
 each fault a second job runs on the same workers. Every job must succeed without a manual resume,
 with one result per unit and prompt, every unit's text and image its own page's (each page carries
 its own words; images are compared with a local render: keys are content hashes), and every
@@ -21,6 +21,7 @@ import os
 import re
 import secrets
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -177,6 +178,18 @@ def _local_render(doc: Doc, options) -> dict[int, str]:
     return _RENDERS[key]
 
 
+def _render_ahead(o: Outages, job: str, docs: list[Doc]) -> threading.Thread:
+    """The local renders of a job's PDFs, made while the job runs (its checks join the thread)."""
+    from ingest.spec import JobSpec
+
+    with o.fleet.db.engine.connect() as conn:
+        spec = conn.execute(text("SELECT spec FROM jobs WHERE id = :j"), {"j": job}).scalar_one()
+    options = JobSpec.model_validate(spec).ingest
+    thread = threading.Thread(target=lambda: [_local_render(d, options) for d in docs], daemon=True)
+    thread.start()
+    return thread
+
+
 def _evidence(fleet: Fleet, since: dict[Path, int]) -> str:
     pattern = re.compile(r"CRITICAL|ERROR|Traceback|Unrecoverable|exited unexpectedly|restart|retry|Error:")
     lines = []
@@ -191,9 +204,12 @@ def _log_marks(fleet: Fleet) -> dict[Path, int]:
     return {p: len(p.read_text(errors="replace")) for p in fleet.tmp.glob("worker-*.log")}
 
 
-def _check_job(o: Outages, job: str, docs: list[Doc], since: dict[Path, int]) -> None:
+def _check_job(
+    o: Outages, job: str, docs: list[Doc], since: dict[Path, int], ahead: threading.Thread
+) -> None:
     from ingest.spec import JobSpec
 
+    ahead.join(timeout=300)
     fleet = o.fleet
     evidence = lambda: _evidence(fleet, since)  # noqa: E731
     with fleet.db.engine.connect() as conn:
@@ -242,9 +258,11 @@ def _units(o: Outages, job: str) -> int:
     return _count(o, "SELECT count(*) FROM units WHERE job_id = :j", job)
 
 
-def _submit(o: Outages, docs: list[Doc]) -> str:
+def _submit(o: Outages, docs: list[Doc]) -> tuple[str, threading.Thread]:
+    """The job's id, and the thread rendering its PDFs here for the checks."""
     prompts = [a for p in PROMPTS for a in ("-p", p)]
-    return o.fleet.submit(*(str(d.path) for d in docs), *prompts, *OPTIONS)
+    job = o.fleet.submit(*(str(d.path) for d in docs), *prompts, *OPTIONS)
+    return job, _render_ahead(o, job, docs)
 
 
 def _fault_then_second_job(o: Outages, tmp: Path, stage: str, fault: Callable[[], None]) -> None:
@@ -253,15 +271,15 @@ def _fault_then_second_job(o: Outages, tmp: Path, stage: str, fault: Callable[[]
     if stage == "ingest":
         # A slow 40-page PDF (~0.1 s a page) beside two small ones: the fault lands mid-source.
         docs = _docs(tmp, "a", (40, True), (3, False), (5, False))
-        job = _submit(o, docs)
-        _wait_for(lambda: _units(o, job) > 0, 180, f"first units of {job}\n{fleet.logs()}")
         slow = "SELECT count(*) FROM units u JOIN sources s ON s.id = u.source_id "
         slow += "WHERE u.job_id = :j AND s.uri LIKE '%a0.pdf'"
-        slow_done = _count(o, slow, job)
-        assert slow_done < docs[0].pages, "the slow PDF was rendered before the fault: make it slower"
+        job, ahead = _submit(o, docs)
+        # The event: the slow PDF's first unit rows (the job's small PDFs may come first).
+        _wait_for(lambda: _count(o, slow, job) > 0, 180, f"first units of {job}\n{fleet.logs()}")
+        assert _count(o, slow, job) < docs[0].pages, "the slow PDF was all rendered: make it slower"
     else:
         docs = _docs(tmp, "a", (24, False), (6, False))
-        job = _submit(o, docs)
+        job, ahead = _submit(o, docs)
         total = sum(d.pages for d in docs) * len(PROMPTS)
         _wait_for(lambda: fleet.result_count(job) > 0, 240, f"first results of {job}\n{fleet.logs()}")
         assert fleet.result_count(job) < total, "generation ended before the fault: make it longer"
@@ -269,15 +287,15 @@ def _fault_then_second_job(o: Outages, tmp: Path, stage: str, fault: Callable[[]
     fault()
     fleet.wait([job], timeout=JOB_TIMEOUT_S)
     recovered = time.monotonic()
-    _check_job(o, job, docs, since)
+    _check_job(o, job, docs, since, ahead)
     # The second job, on the same workers.
     since = _log_marks(fleet)
     second = _docs(tmp, "b", (4, False), (7, False))
-    after = _submit(o, second)
+    after, after_ahead = _submit(o, second)
     fleet.wait([after], timeout=JOB_TIMEOUT_S)
     second_s = time.monotonic() - recovered
     print(f"job done {recovered - started:.0f} s after the fault began; second job {second_s:.0f} s")
-    _check_job(o, after, second, since)
+    _check_job(o, after, second, since, after_ahead)
 
 
 # --- the faults ---------------------------------------------------------------------------------
@@ -317,18 +335,18 @@ def test_a_burst_to_a_cold_gpu_worker(outages, tmp_path):
         assert fleet.stop_worker(gpu) is not None
     since = _log_marks(fleet)
     docs = _docs(tmp_path, "a", (20, False), (6, False))
-    job = _submit(outages, docs)
+    job, ahead = _submit(outages, docs)
     pending = "SELECT count(*) FROM sources WHERE job_id = :j AND status = 'pending'"
     _wait_for(lambda: _count(outages, pending, job) == 0, 180, f"ingest of {job}\n{fleet.logs()}")
     assert _units(outages, job) == 26 and fleet.result_count(job) == 0
     cold = fleet.start_worker("encode,generate", "--metrics")
     fleet.wait([job], timeout=JOB_TIMEOUT_S)
-    _check_job(outages, job, docs, since)
+    _check_job(outages, job, docs, since, ahead)
     log = _log_of(fleet, cold).read_text()
     assert len(re.findall(r"model \S+ loaded", log)) == 1, _evidence(fleet, since)
     assert "ImportError" not in log and "encode failed" not in log, _evidence(fleet, since)
     since = _log_marks(fleet)
     second = _docs(tmp_path, "b", (4, False), (7, False))
-    after = _submit(outages, second)
+    after, after_ahead = _submit(outages, second)
     fleet.wait([after], timeout=JOB_TIMEOUT_S)
-    _check_job(outages, after, second, since)
+    _check_job(outages, after, second, since, after_ahead)
