@@ -167,6 +167,27 @@ def test_4_include_and_exclude_choose_the_files(tmp_path):
 
 
 # 5 ---------------------------------------------------------------------------------------------
+def _wait_for_a_page(home: Path, job: str, proc: subprocess.Popen) -> None:
+    """Until the run has stored a page of `job` in its database (the home's SQLite)."""
+    from sqlalchemy import text
+
+    from storage.db import Database
+    from storage.settings import Settings
+
+    db = Database(Settings(home=home).sqlalchemy_url())
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            with db.engine.connect() as conn:
+                sql = text("SELECT count(*) FROM units WHERE job_id = :id")
+                if conn.execute(sql, {"id": job}).scalar_one() > 0:
+                    return
+            assert proc.poll() is None and time.monotonic() < deadline, "no page stored"
+            time.sleep(0.05)
+    finally:
+        db.dispose()
+
+
 @pytest.mark.signals
 def test_5_ctrl_c_says_the_job_and_the_status_table_says_why(home, tmp_path):
     pdf = write_slow_pdf(tmp_path / "slow.pdf", pages=30)
@@ -181,7 +202,7 @@ def test_5_ctrl_c_says_the_job_and_the_status_table_says_why(home, tmp_path):
     assert proc.stdout is not None
     job = proc.stdout.readline().strip()  # before any work starts
     assert re.fullmatch(r"[0-9a-f]{32}", job)
-    time.sleep(3)
+    _wait_for_a_page(home, job, proc)  # work under way: an event, not a fixed sleep (issue 20)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -39,7 +40,9 @@ print('LOADED', sorted(m for m in {HEAVY + NOT_FOR_READING!r} if m in sys.module
 """
 
 
-def _loaded_modules(env: dict[str, str], *args: str, run_for: float | None = None) -> list[str]:
+def _loaded_modules(env: dict[str, str], *args: str, stop_after: str | None = None) -> list[str]:
+    """`stop_after`: a command that runs until stopped (watch) is sent SIGTERM once this text is in
+    its log (stderr), i.e. once it has done what it does (an event, not a fixed sleep)."""
     proc = subprocess.Popen(
         [sys.executable, "-c", PROBE, *args],
         env=env,
@@ -47,10 +50,22 @@ def _loaded_modules(env: dict[str, str], *args: str, run_for: float | None = Non
         stderr=subprocess.PIPE,
         text=True,
     )
-    if run_for is not None:  # a command that runs until stopped (watch): stop it once it has started
-        time.sleep(run_for)
+    early = ""
+    if stop_after is not None:
+        assert proc.stderr is not None
+        guard = threading.Timer(180, proc.kill)  # never hang the suite on a command that says nothing
+        guard.start()
+        try:
+            for line in proc.stderr:
+                early += line
+                if stop_after in line:
+                    break
+        finally:
+            guard.cancel()
+        assert stop_after in early, early
         proc.terminate()
     stdout, stderr = proc.communicate(timeout=180)
+    stderr = early + stderr
     line = [x for x in stdout.splitlines() if x.startswith("LOADED ")]
     assert line, stdout + stderr
     return eval(line[-1].removeprefix("LOADED "))  # noqa: S307 - a list literal we printed ourselves
@@ -78,19 +93,23 @@ def env(tmp_path, tiny_model_dir) -> dict[str, str]:
         ["plan", "{pdf}", "-p", "What is the total?"],
         ["ingest", "{pdf}", "--out", "{out}"],
         ["submit", "{pdf}", "-p", "hi"],
-        ["watch", "s3://no-such-bucket-here/inbox/", "-p", "hi", "--poll-seconds", "0.1"],
+        ["watch", "s3://{bucket}/inbox/", "-p", "hi", "--poll-seconds", "0.1"],
     ],
     ids=lambda args: args[0] if args[0] != "db" else "db-upgrade",
 )
-def test_command_imports_neither_torch_nor_transformers(env, tmp_path, args):
+def test_command_imports_neither_torch_nor_transformers(env, tmp_path, args, request):
     pdf = write_pdf(tmp_path / "doc.pdf", pages=1)
-    filled = [a.format(pdf=pdf, out=tmp_path / "pages") for a in args]
-    run_for = None
+    bucket = request.getfixturevalue("s3_bucket") if args[0] == "watch" else ""
+    filled = [a.format(pdf=pdf, out=tmp_path / "pages", bucket=bucket) for a in args]
+    stop_after = None
     if args[0] == "watch":
+        # The watcher on the test S3 server: stopped once its first poll has checked and marked
+        # the inbox (every import a poll makes is done), not after a fixed sleep (issue 20).
+        s3_server = request.getfixturevalue("s3_server")
         aws = {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"}
-        env = {**env, **aws, "VISBATCH_S3_ENDPOINT_URL": "http://127.0.0.1:1"}
-        run_for = 8.0
-    assert [m for m in _loaded_modules(env, *filled, run_for=run_for) if m in HEAVY] == []
+        env = {**env, **aws, "VISBATCH_S3_ENDPOINT_URL": s3_server}
+        stop_after = "checked and marked"
+    assert [m for m in _loaded_modules(env, *filled, stop_after=stop_after) if m in HEAVY] == []
 
 
 @pytest.mark.parametrize("command", ["status", "jobs", "results"])
