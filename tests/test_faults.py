@@ -4,6 +4,7 @@ one result per prompt, and the job is closed. Loopback only; nothing shared is s
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 
@@ -15,13 +16,15 @@ from tests.faults import FlakyS3Proxy, RedisServer, TCPProxy
 from tests.fleet_harness import Fleet
 from tests.media import write_pdf, write_slow_pdf
 
-# Budget: ~250 s on 2 cores today (a fleet per fault, waits of 20-90 s); to be tightened (issue 20).
+# Budget: ~180 s on a busy 2-core machine (2026-12-02, load 2): a fleet per fault, and the kill
+# tests wait out a 20 s visibility timeout (the fleet fixture's, shortened for them: they are about
+# redelivery, not its delay); the S3 outage lasts 20 s on purpose (botocore's own retries).
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.fleet,
     pytest.mark.faults,
     pytest.mark.usefixtures("redis_url"),
-    pytest.mark.budget(500, reason="a fleet per fault, waits of 20-90 s"),
+    pytest.mark.budget(360, reason="a fleet per fault, a 20 s visibility timeout, a 20 s S3 outage"),
 ]
 
 PROMPTS = ["-p", "What is on this page?", "-p", "Any table?"]
@@ -60,7 +63,15 @@ def fleet(tmp_path, tiny_model_dir, postgres_url):
     # Short limits so a task abandoned by a killed worker comes back within seconds.
     f.set(visibility_timeout="20", task_time_limit="15")
     yield f
+    f.kill_all()  # what each test proves is proven: no warm shutdown to wait out
     f.close()
+
+
+def _retried(fleet: Fleet) -> bool:
+    """A worker has logged a retry after a transient error: a task's (worker.tasks.retrying,
+    "...; retry 1") or a call's within it (worker.retry.RetryPolicy, "...; retrying in 1.3 s (1/8)")."""
+    retry = r"; (retry \d+|retrying in [\d.]+ s \(\d+/\d+\))$"
+    return bool(re.search(retry, fleet.logs(tail=10**7), re.MULTILINE))
 
 
 def test_worker_killed_during_ingest(fleet, tmp_path):
@@ -109,13 +120,15 @@ def test_broker_restarted_during_a_job(fleet, tmp_path):
         fleet.wait([job])
         _exactly_once(fleet, job, 8)
     finally:
+        fleet.kill_all()
         fleet.close()
         broker.stop()
 
 
 def test_database_unreachable_for_a_while(tmp_path, tiny_model_dir, postgres_url):
-    """Workers reach PostgreSQL through a proxy that is cut for 8 s mid-job: tasks fail with
-    connection errors, retry with backoff, and the job completes once it is back."""
+    """Workers reach PostgreSQL through a proxy that is cut mid-job until a task has failed with a
+    connection error and been retried (its log line: an event, not the fixed 8 s it was, issue 20):
+    tasks retry with backoff, and the job completes once it is back."""
     url = make_url(postgres_url)
     proxy = TCPProxy(url.port or 5432, url.host or "127.0.0.1")
     proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
@@ -128,11 +141,12 @@ def test_database_unreachable_for_a_while(tmp_path, tiny_model_dir, postgres_url
         job = fleet.submit(str(pdf), *PROMPTS, "--max-new-tokens", "24", "--longest-side", "640")
         _wait_until(lambda: fleet.result_count(job) > 0, fleet)
         proxy.cut()
-        time.sleep(8)
+        _wait_until(lambda: _retried(fleet), fleet, timeout=120)
         proxy.restore()
         fleet.wait([job])
         _exactly_once(fleet, job, 8)
     finally:
+        fleet.kill_all()
         fleet.close()
         proxy.close()
 
@@ -168,6 +182,7 @@ def test_s3_throttling_and_cache_redis_down(tmp_path, tiny_model_dir, postgres_u
         assert error == f"not found: {missing}"
         assert proxy.failures > 0
     finally:
+        fleet.kill_all()
         fleet.close()
         proxy.close()
 
@@ -202,6 +217,7 @@ def test_s3_outage_during_encode_fails_no_page(tmp_path, tiny_model_dir, postgre
         assert failed == 0, fleet.logs()
         _exactly_once(fleet, job, 8)
     finally:
+        fleet.kill_all()
         fleet.close()
         proxy.close()
 

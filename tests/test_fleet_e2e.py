@@ -12,12 +12,14 @@ import pytest
 from tests.fleet_harness import DB_PASSWORD, Fleet
 from tests.media import write_pdf, write_video
 
-# Budget: ~65 s on 2 cores today (a fleet per test, one killed mid-batch); to be tightened (issue 20).
+# Budget: ~55 s on a busy 2-core machine (2026-12-02, load 2): a fleet per test (a shared one
+# would change them: one cancels before any worker runs, one kills its GPU worker), one killed
+# mid-batch that waits out a 20 s visibility timeout (shortened for it: it is about redelivery).
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.fleet,
     pytest.mark.usefixtures("redis_url"),
-    pytest.mark.budget(180, reason="a fleet per test, one killed mid-batch"),
+    pytest.mark.budget(120, reason="a fleet per test, one killed mid-batch (a 20 s visibility timeout)"),
 ]
 
 PROMPTS = ["-p", "What is on this page?", "-p", "Is there a table? Answer yes or no."]
@@ -27,6 +29,7 @@ PROMPTS = ["-p", "What is on this page?", "-p", "Is there a table? Answer yes or
 def fleet(tmp_path, tiny_model_dir, postgres_url):
     f = Fleet(tmp_path, tiny_model_dir, postgres_url)
     yield f
+    f.kill_all()  # what each test proves is proven: no warm shutdown to wait out (issue 20)
     f.close()
 
 
