@@ -21,8 +21,8 @@ import pytest
 
 from tests.media import write_pdf, write_slow_pdf, write_video
 
-# Budget: ~80 s on 2 cores today (~25 visbatch processes, one Ctrl-C); to be tightened (issue 20).
-pytestmark = [pytest.mark.slow, pytest.mark.budget(200, reason="~25 visbatch processes, one Ctrl-C")]
+# Budget: ~60 s on a busy 2-core machine (2026-12-02, load 2): ~25 visbatch processes, one Ctrl-C.
+pytestmark = [pytest.mark.slow, pytest.mark.budget(120, reason="~25 visbatch processes, one Ctrl-C")]
 
 ROOT = Path(__file__).resolve().parents[1]
 VISBATCH = str(Path(sys.executable).with_name("visbatch"))
