@@ -27,7 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from celery import Task
-from celery.exceptions import Reject, Retry
+from celery.exceptions import Reject, Retry, SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.signals import worker_process_shutdown, worker_shutting_down
 
 from ingest.spec import JobSpec
@@ -130,6 +130,13 @@ class IngestTask(StageTask):
         # Retries are spent or the error is not transient: the source fails, the job goes on.
         source_id = args[1]
         message = f"ingest failed: {describe(exc)}"
+        if isinstance(exc, SoftTimeLimitExceeded | TimeLimitExceeded):
+            # A PDF's pages are split in ranges that end in time; a video is one task.
+            message = (
+                f"ingest failed: splitting took longer than the task time limit "
+                f"(VISBATCH_TASK_TIME_LIMIT, {SETTINGS.task_time_limit} s): sample fewer frames "
+                "(--max-frames, --fps) or raise the limit with VISBATCH_VISIBILITY_TIMEOUT above it"
+            )
         repo.close_finished(_db(), repo.complete_source(_db(), source_id, error=message))
 
 
