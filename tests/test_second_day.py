@@ -193,6 +193,23 @@ def test_the_preview_shows_each_source(small_run):
     assert preview.count("clip.mp4") <= 4  # capped per source: 2 frames x 2 prompts
 
 
+# The issue's item 7: the end-of-run summary read at a glance -------------------------------------
+def test_the_summary_says_each_thing_once(small_run):
+    lines = small_run.err.splitlines()
+    start = lines.index(f"job {_job(small_run)}")
+    rows = []
+    for line in lines[start + 1 :]:
+        if not line.startswith("  "):
+            break
+        rows.append(line.split()[0])
+    # One tokens row (the pages' tokens and what the LM was given, side by side), no "tokens
+    # saved" row when nothing was saved, the times on one row: 10 rows, not 15.
+    assert rows.count("tokens") == 1 and "tokens saved" not in small_run.err, small_run.err
+    assert rows.count("time") == 1 and "wall" not in rows and len(rows) <= 10, rows
+    tokens = next(line for line in lines[start:] if line.strip().startswith("tokens "))
+    assert "to the LM over all prompts" in tokens
+
+
 # 7. ingest ------------------------------------------------------------------------------------------
 def test_ingest_uses_the_folders_model_and_numbers_pages_from_1(home, tmp_path, tiny_model_dir):
     write_pdf(tmp_path / "a.pdf", pages=2)

@@ -25,25 +25,30 @@ PROGRESS_LINE_SECONDS = float(os.environ.get("VISBATCH_PROGRESS_SECONDS", "10"))
 
 
 def token_lines(tokens: dict | None) -> list[tuple[str, str]]:
-    """`visbatch status` / `results`: a job's tokens spent and saved (storage.token_report), as rows."""
+    """`visbatch status` / `results`: a job's tokens (storage.token_report) as rows: what was spent,
+    then what the budget, the cache and the reductions saved (only when they saved anything)."""
     if not tokens:
         return []
     spent, saved = tokens["spent"], tokens["saved"]
-    return [
+    lines = [
         (
-            "tokens spent",
-            f"visual {spent['visual']:,} (to the LM, all prompts: {spent['visual_to_lm']:,}), "
-            f"prompt {spent['prompt']:,}, completion {spent['completion']:,}",
-        ),
-        (
-            "tokens saved",
-            f"detail {saved['detail']:,}, skipped frames {saved['skipped_frames']:,} "
-            f"({tokens['units_skipped']} frames), cache hits {saved['cache_hits']:,} "
-            f"({tokens['cache_hit_units']} units, {tokens['identical_images']} identical images), "
-            f"pruning {saved['pruning']:,}, merging {saved['merging']:,}",
-        ),
-        ("visual tokens without budget", f"{tokens['without_budget']:,}"),
+            "tokens",
+            f"visual {spent['visual']:,} for the pages+frames ({spent['visual_to_lm']:,} to the LM over "
+            f"all prompts), prompt {spent['prompt']:,}, completion {spent['completion']:,}",
+        )
     ]
+    if any(saved.values()):
+        lines.append(
+            (
+                "tokens saved",
+                f"detail {saved['detail']:,}, skipped frames {saved['skipped_frames']:,} "
+                f"({tokens['units_skipped']} frames), cache hits {saved['cache_hits']:,} "
+                f"({tokens['cache_hit_units']} units, {tokens['identical_images']} identical images), "
+                f"pruning {saved['pruning']:,}, merging {saved['merging']:,}; "
+                f"{tokens['without_budget']:,} visual tokens without the budget",
+            )
+        )
+    return lines
 
 
 def is_terminal(stream: Any) -> bool:
@@ -210,13 +215,16 @@ def summary_lines(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("pages+frames", f"{n('units_total'):,} ({n('units_failed'):,} failed)"),
         ("answers", f"{n('results'):,} ({n('results_failed'):,} failed)"),
         ("vision tower", f"{n('cache_misses'):,} images encoded, {n('cache_hits'):,} from the cache"),
+    ]
+    # One tokens row: the report's when there is one (it tells the pages' tokens from what the LM
+    # was given), else the job's counters.
+    lines += token_lines(s.get("tokens")) or [
         ("tokens", f"visual {n('visual_tokens'):,}, prompt {n('prompt_tokens'):,}, "
                    f"completion {n('completion_tokens'):,}"),
     ]  # fmt: skip
     model = (s.get("spec") or {}).get("model")
     if model:
         lines.append(("model", str(model)))
-    lines += token_lines(s.get("tokens"))
     # A job that waits for a worker, has stalled or was interrupted gets the reason, not an ETA
     # it will not keep.
     lines += timing_lines(s.get("timing"), eta=activity is None or bool(activity.get("eta")))
@@ -233,12 +241,14 @@ def timing_lines(timing: dict | None, *, eta: bool = True) -> list[tuple[str, st
     if not timing or timing.get("wall_seconds") is None:
         return []
     busy = timing["busy_seconds"]
-    lines = [("wall time", f"{timing['wall_seconds']:.1f} s")]
+    took = [f"wall {timing['wall_seconds']:.1f} s"]
     if timing.get("first_result_seconds") is not None:
-        lines.append(("first result after", f"{timing['first_result_seconds']:.1f} s"))
-    lines.append(("busy", ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in busy.items())))
+        took.append(f"first result after {timing['first_result_seconds']:.1f} s")
     if timing.get("units_per_second"):
-        lines.append(("pages+frames per second", f"{timing['units_per_second']:.2f}"))
+        took.append(f"{timing['units_per_second']:.2f} pages+frames/s")
+    lines = [("time", ", ".join(took))]
+    if busy:  # each stage's working time (a stage's includes loading what it needs: the model)
+        lines.append(("busy", ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in busy.items())))
     if eta and timing.get("eta_seconds") is not None:  # a running job: its rate so far, and time left at it
         lines.append(("rate, time left", f"{timing['rate_units_per_second']:.2f} pages+frames/s, "
                       f"about {timing['eta_seconds']:.0f} s at that rate"))  # fmt: skip
