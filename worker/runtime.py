@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ingest.limits import Limits
 from storage.db import Database
-from storage.errors import TransientFault
+from storage.errors import TransientFault, describe
 from storage.settings import Settings
 
 if TYPE_CHECKING:
@@ -78,8 +78,7 @@ def _model_errors(what: str) -> Iterator[None]:
     except (ModelUnavailable, ModelFilesUnavailable, UnsupportedModel):
         raise
     except Exception as exc:
-        text = str(exc).splitlines()[0] if str(exc) else ""
-        raise ModelUnavailable(f"{what} could not be loaded: {type(exc).__name__}: {text}") from exc
+        raise ModelUnavailable(f"{what} could not be loaded: {describe(exc)}") from exc
 
 
 def resolve_model_name(name: str) -> str:
