@@ -158,7 +158,11 @@ def worker(
     loglevel: Annotated[str, typer.Option()] = "INFO",
     metrics_port: Annotated[
         int | None,
-        typer.Option(metavar="PORT", help="Prometheus metrics port (default: $VISBATCH_METRICS_PORT, 9808)."),
+        typer.Option(
+            metavar="PORT",
+            help="Prometheus metrics port (default: $VISBATCH_METRICS_PORT, 9808; the next free one "
+            "when it is taken).",
+        ),
     ] = None,
     metrics: Annotated[bool, typer.Option("--metrics/--no-metrics", help="Serve Prometheus metrics.")] = True,
     supervise: Annotated[
