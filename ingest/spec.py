@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -23,7 +23,9 @@ from ingest.schema import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, JSONTooDeep, check
 __all__ = [
     "MAX_SCHEMA_BYTES",
     "MAX_SCHEMA_DEPTH",
+    "CACHE_POLICIES",
     "MAX_SPEC_BYTES",
+    "CachePolicy",
     "IngestOptions",
     "JobSpec",
     "Sampling",
@@ -37,6 +39,14 @@ __all__ = [
 # One item of a page range ("3", "1-3", "5-"), 1-based; the PDF splitter checks it against the
 # page count, the spec only its syntax (so a typo is refused before a job starts).
 PAGE_RANGE_ITEM = re.compile(r"^\s*(\d+)\s*(?:(-)\s*(\d*)\s*)?$")
+
+# What the token cache keeps of a job's pages (docs/scale.md, "The token cache at scale"):
+#   cold  every tier configured (fleet: Redis + S3; embedded: the folder): entries outlive the job,
+#         a rerun or another job over the same pages skips the vision tower (the default);
+#   hot   the hot tier alone (fleet: Redis, bounded by its maxmemory and the TTL); S3 never touched;
+#   none  the hot tier alone with a short TTL, each entry deleted once its unit's answers are stored.
+CachePolicy = Literal["cold", "hot", "none"]
+CACHE_POLICIES: tuple[str, ...] = ("cold", "hot", "none")
 
 # A spec file holds prompts (64 x 32,000 characters at most) and a 64 KiB schema.
 MAX_SPEC_BYTES = 4 * 1024 * 1024
@@ -101,6 +111,8 @@ class JobSpec(BaseModel):
     ingest: IngestOptions = Field(default_factory=IngestOptions)
     # Detail presets, token caps, redundant-frame skipping, pruning (see ingest.budget).
     budget: VisualBudget = Field(default_factory=VisualBudget)
+    # Not part of any cache key: it says where entries are kept and for how long, not what they hold.
+    cache: CachePolicy = Field("cold", description="Token cache policy: cold, hot or none.")
 
     @field_validator("prompts")
     @classmethod

@@ -180,6 +180,9 @@ class Settings:
         None, description="Cold token-cache tier (s3://bucket/prefix); with it, cache_url is the hot tier."
     )
     cache_ttl_seconds: int = setting(7 * 24 * 3600, ge=1, description="Expiry of a hot (Redis) cache entry.")
+    cache_none_ttl_seconds: int = setting(
+        6 * 3600, ge=1, description="Expiry of a hot entry of a --cache none job (deleted once answered)."
+    )
     cache_hot_max_entry_bytes: int = setting(
         32 * 1024**2, ge=1, description="Entries larger than this are kept in the cold tier only."
     )

@@ -16,6 +16,11 @@ therefore Redis' own ``maxmemory`` + ``allkeys-lru`` (set in docker-compose), no
 here; on top of that, an entry larger than a per-entry cap (``cache_hot_max_entry_bytes``) is
 never put in Redis, so one huge video frame grid cannot push out hundreds of pages.
 
+A job chooses how much of this it uses (its cache policy, ``cache_for_policy``): ``cold`` every
+tier, ``hot`` the hot tier alone (S3 never touched), ``none`` the hot tier with a short TTL, each
+entry deleted by the generate stage once its unit's answers are stored. A single-tier cache (the
+embedded folder) is its own hot tier.
+
 Redis being down never fails a get or a put: the hot tier logs one warning, answers "miss" and
 skips writes, and is tried again every ``retry_after_s``; work goes on from S3, slower.
 """
@@ -291,14 +296,14 @@ class RedisTokenCache:
         self.stats.bytes_read += len(data)
         return data  # already bytes (no decode_responses): no copy of a multi-MB entry
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, *, ttl_seconds: int | None = None) -> None:
         import redis
 
         check_key(key)
         if len(data) > self.max_entry_bytes or not self.available:
             return
         try:
-            self.client.set(self.namespace + key, data, ex=self.ttl_seconds)
+            self.client.set(self.namespace + key, data, ex=ttl_seconds or self.ttl_seconds)
             self._succeeded()
         except redis.RedisError as exc:
             self._failed(exc)
@@ -359,6 +364,58 @@ class TieredTokenCache:
         # tier, and that reader validates (and deletes) what it got.
         self.cold.delete(key)
         self.hot.delete(key)
+
+
+class ExpiringTokenCache:
+    """A Redis tier whose puts expire after ``ttl_seconds`` (policy ``none``): an entry whose unit
+    is never answered (a cancelled job, a failed page) goes on its own, not after the hot tier's
+    days-long TTL."""
+
+    def __init__(self, inner: RedisTokenCache, ttl_seconds: int) -> None:
+        self.inner = inner
+        self.ttl_seconds = ttl_seconds
+
+    def __repr__(self) -> str:
+        return f"ExpiringTokenCache({self.inner!r}, {self.ttl_seconds})"
+
+    @property
+    def stats(self) -> CacheStats:
+        return self.inner.stats
+
+    def get(self, key: str) -> bytes | None:
+        return self.inner.get(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        self.inner.put(key, data, ttl_seconds=self.ttl_seconds)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+
+CACHE_POLICIES = ("cold", "hot", "none")
+DEFAULT_NONE_TTL_SECONDS = 6 * 3600
+
+
+def hot_tier(cache: TokenCache) -> TokenCache:
+    """The tier that may forget: Redis in front of S3, or the one tier there is."""
+    return cache.hot if isinstance(cache, TieredTokenCache) else cache
+
+
+def cache_for_policy(
+    cache: TokenCache, policy: str, *, none_ttl_seconds: int = DEFAULT_NONE_TTL_SECONDS
+) -> TokenCache:
+    """What a job of this cache policy reads and writes: ``cold`` the whole cache, ``hot`` its hot
+    tier alone, ``none`` the hot tier with puts expiring after ``none_ttl_seconds`` (Redis; a
+    folder has no expiry and is bounded by its byte budget). Deleting ``none`` entries once their
+    unit is answered is the generate stage's part (worker.stages.generate)."""
+    if policy not in CACHE_POLICIES:
+        raise ValueError(f"unknown cache policy {policy!r} (use {', '.join(CACHE_POLICIES)})")
+    if policy == "cold":
+        return cache
+    tier = hot_tier(cache)
+    if policy == "none" and isinstance(tier, RedisTokenCache):
+        return ExpiringTokenCache(tier, none_ttl_seconds)
+    return tier
 
 
 def _open_tier(

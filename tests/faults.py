@@ -111,10 +111,11 @@ class RedisServer:
     """A Redis of the test's own, persisted with AOF (like the production broker) so a restart
     keeps its queues."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, *args: str) -> None:
         self.binary = shutil.which("redis-server") or "/usr/bin/redis-server"
         self.port = free_port()
         self.dir = workdir
+        self.args = list(args)  # more redis-server flags, e.g. "--maxmemory", "1mb" (they win)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.proc: subprocess.Popen | None = None
         self.start()
@@ -126,7 +127,7 @@ class RedisServer:
     def start(self) -> None:
         argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
                 "--appendonly", "yes", "--appendfsync", "always", "--save", "",
-                "--maxmemory-policy", "noeviction"]  # fmt: skip
+                "--maxmemory-policy", "noeviction", *self.args]  # fmt: skip
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

@@ -180,6 +180,22 @@ BUDGET_OPTIONS: tuple[Opt, ...] = (
     Opt("merge_keep", MergeKeep, 1.0),
 )
 
+# Where the job's visual tokens are kept (ingest.spec.CachePolicy; docs/scale.md).
+CACHE_OPTIONS: tuple[Opt, ...] = (
+    Opt(
+        "cache",
+        Annotated[
+            str,
+            _opt(
+                "POLICY",
+                "Token cache: cold (Redis + S3, or the local folder: kept for reruns and other jobs), "
+                "hot (Redis alone, expires), none (deleted once the page is answered).",
+            ),
+        ],
+        "cold",
+    ),
+)
+
 GROUPS: dict[str, tuple[Opt, ...]] = {
     "inputs": INPUT_OPTIONS,
     "schema": SCHEMA_OPTIONS,
@@ -187,9 +203,10 @@ GROUPS: dict[str, tuple[Opt, ...]] = {
     "ingest": INGEST_OPTIONS,
     "sampling": SAMPLING_OPTIONS,
     "budget": BUDGET_OPTIONS,
+    "cache": CACHE_OPTIONS,
 }
 # What `run`, `submit` and `plan` take: everything that goes into a job.
-JOB_GROUPS = ("prompt", "inputs", "schema", "model", "ingest", "sampling", "budget")
+JOB_GROUPS = ("prompt", "inputs", "schema", "model", "ingest", "sampling", "budget", "cache")
 
 # A spec field (pydantic's error location) -> the option that sets it, to name it in errors.
 _FIELD_FLAGS = {
@@ -264,9 +281,15 @@ class JobOptions:
         prompts = self.prompts or ([default_prompt] if default_prompt else [])
         json_schema = self.json_schema()
         ingest, sampling, budget = self.ingest(), self.sampling(), self.budget()
+        cache = self.values.get("cache") or "cold"
         return self._checked(
             lambda: JobSpec(
-                prompts=prompts, json_schema=json_schema, sampling=sampling, ingest=ingest, budget=budget
+                prompts=prompts,
+                json_schema=json_schema,
+                sampling=sampling,
+                ingest=ingest,
+                budget=budget,
+                cache=cache,
             )
         )
 

@@ -199,6 +199,11 @@ def one_line(text: str, width: int) -> str:
     return flat if len(flat) <= width else flat[: width - 3].rstrip() + "..."
 
 
+def cache_policy(s: dict[str, Any]) -> str:
+    """The job's token-cache policy (ingest.spec.CachePolicy); jobs from before it was one: cold."""
+    return str((s.get("spec") or {}).get("cache") or "cold")
+
+
 def summary_lines(s: dict[str, Any]) -> list[tuple[str, str]]:
     """A job's state as (label, value) pairs: counts in words, pages and prompts as people count."""
 
@@ -214,8 +219,9 @@ def summary_lines(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("sources", f"{n('sources_total'):,} ({n('sources_failed'):,} failed)"),
         ("pages+frames", f"{n('units_total'):,} ({n('units_failed'):,} failed)"),
         ("answers", f"{n('results'):,} ({n('results_failed'):,} failed)"),
-        ("vision tower", f"{n('cache_misses'):,} images encoded, {n('cache_hits'):,} from the cache"),
-    ]
+        ("vision tower", f"{n('cache_misses'):,} images encoded, {n('cache_hits'):,} from the cache"
+                         f" (cache policy {cache_policy(s)})"),
+    ]  # fmt: skip
     # One tokens row: the report's when there is one (it tells the pages' tokens from what the LM
     # was given), else the job's counters.
     lines += token_lines(s.get("tokens")) or [

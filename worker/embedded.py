@@ -290,7 +290,9 @@ class EmbeddedRun:
         if self.stop.is_set():
             return
         try:
-            step = self.rt.retry.call(lambda: encode_units(self.rt, units), what="encode", stop=self.stop)
+            step = self.rt.retry.call(
+                lambda: encode_units(self.rt, units, spec.cache), what="encode", stop=self.stop
+            )
         except Exception as exc:
             if self.stop.is_set():
                 return

@@ -53,7 +53,7 @@ class RequestBuilder:
         try:
             if unit.image_key is None:
                 raise ValueError("the unit has no image")
-            visual = self.tokens.get(unit.image_key, bounds)
+            visual = self.tokens.for_policy(spec.cache).get(unit.image_key, bounds)
         except Exception as exc:
             error = f"visual tokens unavailable: {type(exc).__name__}: {exc}"
             return [Prepared(unit, spec, p, None, error) for p in prompt_indexes]

@@ -207,7 +207,13 @@ class Runtime:
         from worker.token_store import VisualTokenStore
 
         adapter = self.load_model()
-        return VisualTokenStore(adapter, self.cache, self.store, self.settings.encode_batch_images)
+        return VisualTokenStore(
+            adapter,
+            self.cache,
+            self.store,
+            self.settings.encode_batch_images,
+            none_ttl_seconds=self.settings.cache_none_ttl_seconds,
+        )
 
     @_LoadedOnce
     def engine(self) -> Engine:

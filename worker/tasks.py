@@ -205,7 +205,7 @@ def encode_units(self: Task, job_id: str, unit_ids: list[int]) -> str:
         return "skipped: job finished"
     rt = runtime_for(spec.model)
     pending = repo.units_by_ids(rt.db, unit_ids, UnitStatus.PENDING)
-    step = encode_stage(rt, pending)
+    step = encode_stage(rt, pending, spec.cache)
     # Units encoded by an earlier delivery of this message are sent on too (idempotent).
     for unit in repo.units_by_ids(rt.db, unit_ids, UnitStatus.ENCODED):
         generate_units.apply_async((job_id, [unit.unit_id]))

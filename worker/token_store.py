@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import logging
@@ -13,7 +14,7 @@ from PIL import Image, UnidentifiedImageError
 
 from ingest.budget import PixelBounds
 from storage.object_store import ObjectNotFound, ObjectStore
-from storage.token_cache import TokenCache
+from storage.token_cache import DEFAULT_NONE_TTL_SECONDS, TokenCache, cache_for_policy
 from worker import metrics
 from worker.models.base import ModelAdapter
 from worker.retry import describe, is_transient
@@ -46,15 +47,35 @@ class VisualTokenStore:
     """Gets an image's visual tokens from the cache, or from the tower (and then caches them)."""
 
     def __init__(
-        self, adapter: ModelAdapter, cache: TokenCache, store: ObjectStore, batch_images: int = 8
+        self,
+        adapter: ModelAdapter,
+        cache: TokenCache,
+        store: ObjectStore,
+        batch_images: int = 8,
+        *,
+        none_ttl_seconds: int = DEFAULT_NONE_TTL_SECONDS,
     ) -> None:
         self.adapter = adapter
         self.cache = cache
         self.store = store
         self.batch_images = max(1, batch_images)
+        self.none_ttl_seconds = none_ttl_seconds
+        self.policy = "cold"
         self.stats = EncodeStats()
         # One tower call at a time per process: a fleet worker runs encode tasks in threads.
         self._tower = threading.Lock()
+        self._views: dict[str, VisualTokenStore] = {"cold": self}
+
+    def for_policy(self, policy: str) -> VisualTokenStore:
+        """This store as a job of cache policy `policy` uses it (ingest.spec.CachePolicy): the same
+        model, tower lock and counters over the part of the cache the policy allows."""
+        view = self._views.get(policy)
+        if view is None:
+            view = copy.copy(self)  # shares adapter, stats, the tower lock and the views
+            view.cache = cache_for_policy(self.cache, policy, none_ttl_seconds=self.none_ttl_seconds)
+            view.policy = policy
+            self._views[policy] = view
+        return view
 
     def cache_key(self, image_key: str, bounds: PixelBounds | None = None) -> str:
         """Content + preprocessing (the job's resize bounds included) + model."""
@@ -82,8 +103,11 @@ class VisualTokenStore:
         with Image.open(io.BytesIO(self.store.get_bytes(image_key))) as img:
             return img.convert("RGB")
 
-    def encode_keys(self, image_keys: list[str], bounds: PixelBounds | None = None) -> list[VisualTokens]:
-        """Run the tower over these images (in batches) and write every result to the cache."""
+    def encode_keys(
+        self, image_keys: list[str], bounds: PixelBounds | None = None, *, keep: bool = True
+    ) -> list[VisualTokens]:
+        """Run the tower over these images (in batches) and write every result to the cache
+        (unless not `keep`: tokens used at once and never again)."""
         out: list[VisualTokens] = []
         fingerprint = self._fingerprint(bounds)
         for start in range(0, len(image_keys), self.batch_images):
@@ -95,14 +119,22 @@ class VisualTokenStore:
                 self.stats.images_encoded += len(images)
                 metrics.TOWER_IMAGES.inc(len(images))
             for key, vt in zip(chunk, tokens, strict=True):
-                self.cache.put(self.cache_key(key, bounds), vt.to_bytes(fingerprint))
+                if keep:
+                    self.cache.put(self.cache_key(key, bounds), vt.to_bytes(fingerprint))
             out.extend(tokens)
         return out
 
     def get(self, image_key: str, bounds: PixelBounds | None = None) -> VisualTokens:
-        """For generation: the cached tokens, re-encoded if the cache evicted them meanwhile."""
+        """For generation: the cached tokens, re-encoded if the cache evicted them meanwhile (and
+        cached again, except under policy ``none``: they are used now and never again)."""
         found = self.lookup(self.cache_key(image_key, bounds), bounds)
-        return found if found is not None else self.encode_keys([image_key], bounds)[0]
+        if found is not None:
+            return found
+        return self.encode_keys([image_key], bounds, keep=self.policy != "none")[0]
+
+    def forget(self, cache_key: str) -> None:
+        """Policy ``none``: the unit is answered, its entry goes (from the tiers this view uses)."""
+        self.cache.delete(cache_key)
 
     def encode_units(
         self, units: list[tuple[int, str]] | list[tuple[int, str, PixelBounds | None]]
@@ -169,6 +201,7 @@ def _count_lookup(cache: TokenCache, before: object) -> None:
     """One lookup in the metrics, by tier: a tiered cache says whether its hot (Redis) or cold (S3)
     tier served it; a single-tier cache is named by its kind (folder, redis, s3)."""
     after = cache.stats
+    cache = getattr(cache, "inner", cache)  # an ExpiringTokenCache counts as the tier it wraps
     if after.hot_hits > before.hot_hits:  # type: ignore[attr-defined]
         metrics.CACHE_LOOKUPS.labels("hot", "hit").inc()
     elif after.cold_hits > before.cold_hits:  # type: ignore[attr-defined]

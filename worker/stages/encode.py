@@ -27,13 +27,14 @@ class EncodeStep:
     closed: dict[str, str] = field(default_factory=dict)
 
 
-def encode_units(rt: Runtime, units: list[UnitTask]) -> EncodeStep:
-    """Make sure every unit's visual tokens are cached; units that can never be encoded fail."""
+def encode_units(rt: Runtime, units: list[UnitTask], cache: str = "cold") -> EncodeStep:
+    """Make sure every unit's visual tokens are cached, in the tiers the job's cache policy uses
+    (`cache`: ingest.spec.CachePolicy); units that can never be encoded fail."""
     step = EncodeStep()
     if not units:
         return step
     started = time.monotonic()
-    outcomes = rt.tokens.encode_units(
+    outcomes = rt.tokens.for_policy(cache).encode_units(
         [(u.unit_id, u.image_key, PixelBounds.of(u.min_pixels, u.max_pixels)) for u in units]
     )
     by_id = {u.unit_id: u for u in units}

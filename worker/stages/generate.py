@@ -253,6 +253,7 @@ class GenerateLoop:
                         ticket.fail(exc)
             else:
                 kept = [w for w in answered if w.unit.job_id not in stored.refused]
+                self._forget_tokens(answered)
                 self.results_stored += sum(len(w.rows) for w in kept)
                 _count([(w.unit.job_id, row) for w in kept for row in w.rows], len(kept))
                 for work in answered:
@@ -266,6 +267,20 @@ class GenerateLoop:
                 repo.add_stage_seconds(self.rt.db, job_id, "generate", seconds)
         except Exception as exc:  # a statistic: never worth failing work for
             log.warning("could not record generate time: %s", describe(exc))
+
+    def _forget_tokens(self, answered: list[_Work]) -> None:
+        """Cache policy ``none``: the entries these units' encode wrote go now their answers are
+        stored (or their job stopped). An entry a unit found in the cache (another job's, or an
+        identical page's) is not this unit's to delete; a failed delete is left to the TTL."""
+        tokens = self.rt.tokens.for_policy("none")
+        for work in answered:
+            unit = work.unit
+            if work.spec.cache != "none" or unit.cache_hit or not unit.cache_key:
+                continue
+            try:
+                tokens.forget(unit.cache_key)
+            except Exception as exc:  # the cache away: the entry expires on its own
+                log.warning("could not delete the cached tokens of unit %d: %s", unit.unit_id, describe(exc))
 
     # --- stopping work -------------------------------------------------------------------------
 
