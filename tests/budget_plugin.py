@@ -26,6 +26,7 @@ import pytest
 
 DEFAULT_BUDGET_S = 90.0
 ENV = "VISBATCH_MODULE_BUDGET_S"
+SESSION_SETUP = "visbatch_session_fixture_setup_s"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -48,6 +49,7 @@ class ModuleBudget:
         self.session_setup: defaultdict[str, float] = defaultdict(float)
         self.allowed: dict[str, tuple[float, str]] = {}
         self.current: str | None = None
+        self.pending_session_setup = 0.0
         self.over: list[str] = []
 
     @pytest.hookimpl(trylast=True)
@@ -78,10 +80,23 @@ class ModuleBudget:
         started = time.perf_counter()
         yield
         if fixturedef.scope == "session" and self.current is not None:
-            self.session_setup[self.current] += time.perf_counter() - started
+            self.pending_session_setup += time.perf_counter() - started
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
+        # The session fixtures' time rides on the setup report, so that it is subtracted where the
+        # reports are summed: in this process, or in xdist's controller (which sets up no fixture).
+        outcome = yield
+        if call.when == "setup" and self.pending_session_setup:
+            outcome.get_result().user_properties.append((SESSION_SETUP, self.pending_session_setup))
+            self.pending_session_setup = 0.0
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.spent[_module_of(report.nodeid)] += report.duration
+        module = _module_of(report.nodeid)
+        self.spent[module] += report.duration
+        for name, value in report.user_properties:
+            if name == SESSION_SETUP:
+                self.session_setup[module] += float(value)
 
     def budget_of(self, module: str) -> float:
         return self.allowed.get(module, (self.default_s, ""))[0]
@@ -103,6 +118,8 @@ class ModuleBudget:
         return over
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if hasattr(session.config, "workerinput"):
+            return  # an xdist worker: the controller, which sees every module's reports, judges
         self.over = self.check()
         if self.over and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -3,6 +3,9 @@ and what budget; a declared allowance (with its reason) lets it; session fixture
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 pytest_plugins = ["pytester"]
@@ -95,3 +98,31 @@ def test_a_failing_run_stays_failed_and_session_fixtures_are_not_charged(
     result.assert_outcomes(passed=1, failed=1)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     assert "over their time budget" not in result.stdout.str()
+
+
+def test_under_xdist_the_controller_judges_and_session_fixtures_are_not_charged(
+    pytester: pytest.Pytester, monkeypatch
+) -> None:
+    """`make test` runs the suite over xdist workers: the modules' times are summed from the
+    workers' reports, a session fixture set up in a worker is still not charged, and a module
+    over its budget fails the run once, by the controller."""
+    monkeypatch.delenv("VISBATCH_MODULE_BUDGET_S", raising=False)
+    pytester.makeconftest(
+        "import time, pytest\n\n@pytest.fixture(scope='session')\ndef service():\n    time.sleep(0.6)\n"
+    )
+    pytester.makepyfile(
+        test_first="def test_uses_it(service):\n    pass\n", test_sleepy=SLEEPY.format(mark="")
+    )
+    pytester.makeini("[pytest]\nmodule_budget_s = 0.3\n")
+    root = str(Path(__file__).resolve().parents[1])  # the subprocess imports tests.budget_plugin from here
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    result = pytester.runpytest_subprocess(
+        "-p", "tests.budget_plugin", "-p", "no:hypothesispytest", "-p", "no:anyio",
+        "-n", "2", "--dist", "loadfile", "--durations=1",
+    )  # fmt: skip
+    result.assert_outcomes(passed=3)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    out = result.stdout.str()
+    assert out.count("test_sleepy.py took 0.5 s, over its budget of 0.3 s") == 1, out
+    assert "test_first.py took" not in out
+    result.stdout.fnmatch_lines(["*slowest 10 test modules*", "*test_sleepy.py"])
