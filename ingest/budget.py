@@ -168,6 +168,12 @@ class TokenGeometry:
 
     token_pixels: int  # Qwen2-VL: 28 * 28
     default: PixelBounds
+    # A family whose detail presets pick its own knob rather than a token cap (LLaVA-OneVision: how
+    # many AnyRes tiles), as (level, max_pixels) pairs; a level left out: DETAIL_TOKENS x token_pixels.
+    detail_pixels: tuple[tuple[str, int], ...] = ()
+
+    def detail_max_pixels(self, level: str) -> int:
+        return dict(self.detail_pixels).get(level, DETAIL_TOKENS[level] * self.token_pixels)
 
     def normalize(self, bounds: PixelBounds | None) -> PixelBounds | None:
         """None for the model's own bounds, so equal preprocessing gives one cache key."""
@@ -187,7 +193,7 @@ def job_bounds(
     low, high = geometry.default.min_pixels, geometry.default.max_pixels
     level = resolve_level(budget, prompts, schema)
     if level is not None:
-        high = DETAIL_TOKENS[level] * geometry.token_pixels
+        high = geometry.detail_max_pixels(level)
     if budget.max_pixels is not None:
         high = budget.max_pixels
     if budget.min_pixels is not None:

@@ -29,6 +29,9 @@ QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Model types whose image processor splits an image into square tiles plus a global view.
 TILE_FAMILIES = ("idefics3",)
 SUPPORTED_FAMILIES = QWEN_FAMILIES + TILE_FAMILIES
+# LLaVA-OneVision: AnyRes grids of tiles + a base view (the rule: ingest.anyres).
+ANYRES_FAMILIES = ("llava_onevision",)
+SUPPORTED_FAMILIES += ANYRES_FAMILIES
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 # Qwen2-VL's own defaults, used where a processor file leaves a value out.
 DEFAULT_PATCH_SIZE = 14
@@ -258,6 +261,10 @@ def rule_from_files(config: dict[str, Any], processor: dict[str, Any]) -> TokenR
         return SmartResizeRule.from_files(family, data)
     if family in TILE_FAMILIES:
         return TileRule.from_files(family, data, config)
+    if family in ANYRES_FAMILIES:
+        from ingest.anyres import AnyResRule  # it imports this module
+
+        return AnyResRule.from_files(family, data, config)
     raise UnsupportedModel(
         f"model type {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})"
     )

@@ -64,6 +64,7 @@ def build_tokenizer():
 
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "idefics3")
+FAMILIES += ("llava_onevision",)  # worker.models.tiny_llava_onevision
 QWEN3_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
 # transformers class-name prefix per Qwen family.
 CLASS_PREFIX = {
@@ -270,6 +271,10 @@ def write_tiny_model(
         from worker.models.tiny_idefics3 import write_tiny_idefics3
 
         write_tiny_idefics3(out, seed=seed, hidden_size=hidden_size, layers=layers, **knobs)
+    elif family == "llava_onevision":
+        from worker.models.tiny_llava_onevision import write_tiny_llava_onevision
+
+        write_tiny_llava_onevision(out, seed=seed, hidden_size=hidden_size, layers=layers, **knobs)
     else:
         tokenizer = build_tokenizer()
         config = tiny_config(tokenizer, family=family, hidden_size=hidden_size, layers=layers, **knobs)

@@ -1,0 +1,220 @@
+"""LLaVA-OneVision (llava-hf/llava-onevision-qwen2-0.5b / 7b / 72b-ov-hf): SigLIP, an MLP projector, AnyRes.
+
+How it differs from the other families, and how the interface carries it:
+
+* the token rule (``ingest.anyres.AnyResRule``) picks a grid of tiles from
+  ``image_grid_pinpoints``, encodes every tile and one base view of the whole image, cuts the
+  padding off the tiles' feature map, interpolates it down when it is over ``anyres_max_N``
+  tiles' worth, and appends the learned ``image_newline`` after every row of it;
+* the cached tokens are exactly what goes in at the ``<image>`` positions: the base view's
+  features, then the map's rows each followed by its newline embedding (the model's own
+  ``pack_image_features``, run here on the projector's output, so unpadding, interpolation and
+  newlines are all in the cache). The layout is the map's (rows, cols): ``grid_thw = [[1, rows,
+  cols]]``, and tokens = side^2 + rows x (cols + 1);
+* the prompt is the chat template with its one ``<image>`` expanded to that many ``<image>``
+  ids (the processor's ``replace_image_token`` repeats the token, nothing else);
+* positions are plain 1-D (a Qwen2 language model), so pruning and merging keep each token's
+  sequence position; ``token_rows`` gives the base view's rows, then each map row and its newline
+  as separate rows, so a merge never joins two rows, a row and its newline, or the base view and
+  the map;
+* budgets choose the grids (``pinpoints_for``): the encode passes them to the image processor
+  and packs with them, as the model would with those ``image_grid_pinpoints``.
+
+**Video frames are encoded as images.** OneVision's own video path (``<video>``: frames bilinearly
+pooled 2x2 to ceil(side/2)^2 tokens each, ONE newline after the last frame) pools a whole clip
+into one prompt. visbatch's unit is one sampled frame, cached under its own pixel hash and asked
+on its own, so a frame is one image prompt: AnyRes tiles, base view and newlines, like a page
+(what the processor does with a frame passed as an image; ``tests/test_cached_equals_pixels.py``
+checks it from pixels). A frame cached that way is also shared with the same image anywhere
+else. The cost: a 320x240 frame is several hundred tokens on the real model where the video path
+would spend 196; ``--detail low`` (one tile) is the cheapest setting.
+
+vLLM (0.32): see ``vllm_unsupported`` / ``vllm_prompt`` below.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from PIL import Image
+
+from ingest.anyres import AnyResRule
+from ingest.budget import PixelBounds
+from worker.models.base import ModelAdapter
+from worker.visual_tokens import TokenSpec, VisualTokens
+
+
+class LlavaOnevisionAdapter(ModelAdapter):
+    family = "llava_onevision"
+    model_class_name = "LlavaOnevisionForConditionalGeneration"
+    vllm_unsupported: str | None = None
+
+    @cached_property
+    def processor(self) -> Any:
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(self.ref.source, revision=self.ref.revision)
+
+    @cached_property
+    def config(self) -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.ref.source, revision=self.ref.revision)
+
+    @property
+    def anyres_rule(self) -> AnyResRule:
+        rule = self.token_rule
+        assert isinstance(rule, AnyResRule)
+        return rule
+
+    # --- token rule: ingest.anyres.AnyResRule ----------------------------------------------
+
+    def pinpoints_for(self, bounds: PixelBounds | None) -> list[list[int]]:
+        return [list(p) for p in self.anyres_rule.pinpoints_for(self.token_geometry.normalize(bounds))]
+
+    def _size_kwargs(self, bounds: PixelBounds | None) -> dict[str, Any]:
+        bounds = self.token_geometry.normalize(bounds)
+        return {} if bounds is None else {"image_grid_pinpoints": self.pinpoints_for(bounds)}
+
+    def preprocessing(self, bounds: PixelBounds | None = None) -> dict[str, Any]:
+        config = self.processor.image_processor.to_dict()
+        config.update(self._size_kwargs(bounds))
+        # What shapes the tokens besides the pixels: the feature layer and the interpolation cap.
+        config["vision_feature_layer"] = self.config.vision_feature_layer
+        config["vision_aspect_ratio"] = self.config.vision_aspect_ratio
+        return config
+
+    # --- weights -----------------------------------------------------------------------
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.text_config.hidden_size)
+
+    def tokens_for_grid(self, grid: torch.Tensor) -> int:
+        """Tokens of a (1, rows, cols) feature map; ValueError for any other layout."""
+        t, rows, cols = (int(x) for x in grid.view(-1))
+        if t != 1 or rows < 1 or cols < 1:
+            raise ValueError("not a feature map layout (1, rows, cols)")
+        return self.anyres_rule.tokens_for_map(rows, cols)
+
+    @property
+    def token_spec(self) -> TokenSpec:
+        return TokenSpec(hidden_size=self.hidden_size, dtype=self.dtype, tokens_for_grid=self.tokens_for_grid)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
+
+    @cached_property
+    def model(self) -> torch.nn.Module:
+        import transformers
+
+        cls = getattr(transformers, self.model_class_name)
+        model = cls.from_pretrained(self.ref.source, revision=self.ref.revision, dtype=self.dtype)
+        return model.to(self.device).eval()
+
+    @cached_property
+    def vision_parts(self) -> SimpleNamespace:
+        """The tower, the projector and image_newline: the whole model's when it is (or will be)
+        loaded for generation; else those three alone on the device (an encode worker beside
+        vLLM), read through a CPU load of the checkpoint so that every published key layout
+        maps the way transformers maps it, the language model then dropped."""
+        if not self.vision_only or "model" in self.__dict__:
+            inner = self.model.model
+            return SimpleNamespace(
+                tower=inner.vision_tower, projector=inner.multi_modal_projector, newline=inner.image_newline
+            )
+        import transformers
+
+        cls = getattr(transformers, self.model_class_name)
+        whole = cls.from_pretrained(self.ref.source, revision=self.ref.revision, dtype=self.dtype).eval()
+        inner = whole.model
+        parts = SimpleNamespace(
+            tower=inner.vision_tower.to(self.device),
+            projector=inner.multi_modal_projector.to(self.device),
+            newline=inner.image_newline.detach().to(self.device),
+        )
+        del whole, inner
+        return parts
+
+    def _features(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Projected tower features of a batch of tiles, as get_image_features selects them."""
+        layer = self.config.vision_feature_layer
+        hidden = self.vision_parts.tower(pixels, output_hidden_states=True, return_dict=True).hidden_states
+        selected = hidden[layer] if isinstance(layer, int) else torch.cat([hidden[i] for i in layer], dim=-1)
+        return self.vision_parts.projector(selected)
+
+    @torch.inference_mode()
+    def encode(self, images: list[Image.Image], bounds: PixelBounds | None = None) -> list[VisualTokens]:
+        from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionModel
+
+        rule, bounds = self.anyres_rule, self.token_geometry.normalize(bounds)
+        size = self._size_kwargs(bounds)
+        inputs = self.processor.image_processor(images=images, return_tensors="pt", **size)
+        sizes = inputs["image_sizes"]  # (images, 2): height, width of each original image
+        counts = [rule.tiles(int(w), int(h), bounds) for h, w in sizes.tolist()]
+        # pixel_values is padded to the most tiles of the batch: each image keeps its own.
+        pixels = torch.cat([pv[:n] for pv, n in zip(inputs["pixel_values"], counts, strict=True)])
+        features = torch.split(self._features(pixels.to(self.device, self.dtype)), counts)
+        # The model's own packing (unpad, interpolate, newlines, base view first), with the grids
+        # this job allows: it reads only these three config values.
+        packing = SimpleNamespace(
+            config=SimpleNamespace(
+                vision_config=self.config.vision_config, image_grid_pinpoints=self.pinpoints_for(bounds)
+            )
+        )
+        packed, _ = LlavaOnevisionModel.pack_image_features(
+            packing,  # type: ignore[arg-type]
+            list(features),
+            sizes,
+            image_newline=self.vision_parts.newline,
+            vision_aspect_ratio=self.config.vision_aspect_ratio,
+        )
+        out = []
+        for embeds, (h, w) in zip(packed, sizes.tolist(), strict=True):
+            rows, cols = rule.feature_map(int(w), int(h), bounds)
+            expected = rule.tokens_for_map(rows, cols)
+            if embeds.shape[0] != expected:
+                raise RuntimeError(f"packed {embeds.shape[0]} tokens where the token rule says {expected}")
+            grid = torch.tensor([[1, rows, cols]], dtype=torch.int64)
+            out.append(VisualTokens(embeds=embeds.to("cpu", self.dtype).clone(), grid_thw=grid))
+        return out
+
+    @cached_property
+    def image_token_id(self) -> int:
+        return int(self.config.image_token_id)
+
+    def template_ids(self, prompt: str, visual: VisualTokens | None) -> list[int]:
+        processor = self.processor
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if text.count(processor.image_token) != 1 or processor.video_token in text:
+            raise ValueError("the prompt must not contain image or video placeholder tokens")
+        # The processor's expansion of one image: its <image> repeated once per visual token.
+        count = 0 if visual is None else visual.num_tokens
+        expanded = text.replace(processor.image_token, processor.image_token * count)
+        return self.tokenizer(expanded, add_special_tokens=True)["input_ids"]
+
+    def generation_inputs(self, prompts: list[list[int]], visuals: list[VisualTokens]) -> dict[str, Any]:
+        pad = self.tokenizer.pad_token_id
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, ids in enumerate(prompts):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)  # left padding
+            attention[row, width - len(ids) :] = 1
+        return {
+            "input_ids": input_ids.to(self.device),
+            "attention_mask": attention.to(self.device),
+            # Per image, in row order: the model concatenates them over the <image> positions.
+            "mm_encoder_outputs": self.mm_encoder_outputs([v.embeds.to(self.dtype) for v in visuals], []),
+        }
+
+    def token_rows(self, visual: VisualTokens) -> list[int]:
+        """The base view's rows, then each map row and, alone, its newline (a row of 1 never merges)."""
+        _, rows, cols = (int(x) for x in visual.grid_thw.view(-1))
+        side = self.anyres_rule.side
+        return [side] * side + [cols, 1] * rows
