@@ -28,10 +28,13 @@ from ingest.budget import PixelBounds, TokenGeometry
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Model types whose image processor splits an image into square tiles plus a global view.
 TILE_FAMILIES = ("idefics3",)
+# Model types that tile an image into a grid chosen by aspect ratio, plus a thumbnail (InternVL).
+DYNAMIC_TILE_FAMILIES = ("internvl",)
 SUPPORTED_FAMILIES = QWEN_FAMILIES + TILE_FAMILIES
 # LLaVA-OneVision: AnyRes grids of tiles + a base view (the rule: ingest.anyres).
 ANYRES_FAMILIES = ("llava_onevision",)
 SUPPORTED_FAMILIES += ANYRES_FAMILIES
+SUPPORTED_FAMILIES += DYNAMIC_TILE_FAMILIES
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 # Qwen2-VL's own defaults, used where a processor file leaves a value out.
 DEFAULT_PATCH_SIZE = 14
@@ -253,6 +256,114 @@ class TileRule(TokenRule):
         )
 
 
+# InternVL's own defaults (GotOcr2ImageProcessor, InternVLConfig), where its files leave a value out.
+DEFAULT_DYNAMIC_TILE = 448
+DEFAULT_MAX_TILES = 12
+
+
+def _tile_grids(min_tiles: int, max_tiles: int) -> list[tuple[int, int]]:
+    # GotOcr2ImageProcessor's get_all_supported_aspect_ratios: (columns, rows), fewest tiles first
+    # (a stable sort: equal counts keep their loop order).
+    grids = [
+        (cols, rows)
+        for cols in range(1, max_tiles + 1)
+        for rows in range(1, max_tiles + 1)
+        if min_tiles <= cols * rows <= max_tiles
+    ]
+    return sorted(grids, key=lambda g: g[0] * g[1])
+
+
+def optimal_tile_grid(width: int, height: int, tile: int, min_tiles: int, max_tiles: int) -> tuple[int, int]:
+    """(columns, rows): the processor's get_optimal_tiled_canvas. The grid whose aspect ratio is
+    closest to the image's; on a tie the later (larger) grid wins while the image's area is over
+    half the grid's. No grid allowed (min over max): one tile."""
+    aspect_ratio = width / height
+    area = width * height
+    best_diff, best = float("inf"), (1, 1)
+    for cols, rows in _tile_grids(min_tiles, max_tiles):
+        diff = abs(aspect_ratio - cols / rows)
+        if diff < best_diff:
+            best_diff, best = diff, (cols, rows)
+        elif diff == best_diff and area > 0.5 * tile * tile * cols * rows:
+            best = (cols, rows)
+    return best
+
+
+@dataclass(frozen=True)
+class DynamicTileRule(TokenRule):
+    """InternVL (InternVL3 / 3.5 as transformers implements them): the image is resized to a grid
+    of `tile`-px tiles whose aspect ratio best matches it (between min_tiles and max_tiles
+    tiles), plus one thumbnail of the whole image when the grid has more than one tile; every
+    tile becomes `image_seq_len` tokens ((tile / patch)^2 patches, pixel-shuffled 2x2).
+
+    Budgets speak pixels: `max_pixels` becomes the largest max_tiles whose worst case (that many
+    tiles and the thumbnail) stays within it, never more than the model's own; a single tile when
+    not even two tiles and a thumbnail fit (`max_tiles_for`). `min_pixels` has no effect (the
+    processor always resizes to whole tiles).
+    """
+
+    family: str
+    tile: int  # px per side of one tile (the processor's size)
+    image_seq_len: int  # tokens per tile
+    min_tiles: int = 1  # min_patches
+    max_tiles: int = DEFAULT_MAX_TILES  # max_patches
+
+    @property
+    def tile_pixels(self) -> int:
+        return self.tile * self.tile
+
+    @staticmethod
+    def slots(max_tiles: int) -> int:
+        """Tiles the model sees at most with `max_tiles`: the grid and its thumbnail."""
+        return max_tiles + 1 if max_tiles > 1 else 1
+
+    def max_tiles_for(self, bounds: PixelBounds | None) -> int:
+        """The processor's max_patches under `bounds` (None: its own)."""
+        if bounds is None:
+            return self.max_tiles
+        slots = bounds.max_pixels // self.tile_pixels
+        return min(max(1, slots - 1) if slots >= 3 else 1, self.max_tiles)
+
+    @property
+    def token_geometry(self) -> TokenGeometry:
+        return TokenGeometry(
+            token_pixels=self.tile_pixels // self.image_seq_len,
+            default=PixelBounds(self.tile_pixels, self.slots(self.max_tiles) * self.tile_pixels),
+        )
+
+    def tiles(self, width: int, height: int, bounds: PixelBounds | None = None) -> tuple[int, int]:
+        """(rows, columns) of the tile grid the processor cuts this image into (thumbnail aside)."""
+        cols, rows = optimal_tile_grid(width, height, self.tile, self.min_tiles, self.max_tiles_for(bounds))
+        return rows, cols
+
+    def tokens_for_tiles(self, rows: int, cols: int) -> int:
+        return self.slots(rows * cols) * self.image_seq_len
+
+    def visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
+        return self.tokens_for_tiles(*self.tiles(width, height, bounds))
+
+    @classmethod
+    def from_files(cls, family: str, data: dict[str, Any], config: dict[str, Any]) -> DynamicTileRule:
+        size = data.get("size") or {}
+        tile = int(size.get("height") or size.get("shortest_edge") or DEFAULT_DYNAMIC_TILE)
+        # Tokens per tile as the MODEL makes them (the processor's image_seq_length must agree):
+        # (tile px / patch px)^2 patches, pixel-shuffled by downsample_ratio per side.
+        vision = config.get("vision_config") or {}
+        patch = vision.get("patch_size") or 14
+        patch = int(patch[0] if isinstance(patch, list) else patch)
+        ratio = float(config.get("downsample_ratio") or 0.5)
+        seq_len = round((tile // patch) ** 2 * ratio * ratio)
+        if seq_len < 1:
+            raise UnsupportedModel(f"{family} vision config gives no tokens per tile: {vision}")
+        return cls(
+            family=family,
+            tile=tile,
+            image_seq_len=seq_len,
+            min_tiles=int(data.get("min_patches") or 1),
+            max_tiles=int(data.get("max_patches") or DEFAULT_MAX_TILES),
+        )
+
+
 def rule_from_files(config: dict[str, Any], processor: dict[str, Any]) -> TokenRule:
     """From the parsed config.json and preprocessor_config.json (or processor_config.json)."""
     family = str(config.get("model_type", ""))
@@ -265,6 +376,8 @@ def rule_from_files(config: dict[str, Any], processor: dict[str, Any]) -> TokenR
         from ingest.anyres import AnyResRule  # it imports this module
 
         return AnyResRule.from_files(family, data, config)
+    if family in DYNAMIC_TILE_FAMILIES:
+        return DynamicTileRule.from_files(family, data, config)
     raise UnsupportedModel(
         f"model type {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})"
     )

@@ -28,7 +28,7 @@ def tiny_adapter(tiny_model_dir):
 
 
 # Every supported family (worker.models.ADAPTERS), as the tiny model builder spells them.
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "idefics3"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "idefics3", "internvl"]
 FAMILIES += ["llava_onevision"]
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from ingest.budget import PixelBounds
-from ingest.token_rules import SmartResizeRule, TileRule, load_token_rule
+from ingest.token_rules import DynamicTileRule, SmartResizeRule, TileRule, load_token_rule
 from tests.model_fixtures import FAMILIES
 
 
@@ -23,6 +23,14 @@ def _processor_tokens(adapter, width: int, height: int, bounds: PixelBounds | No
     image = Image.fromarray(np.zeros((height, width, 3), dtype=np.uint8))
     processor = adapter.processor.image_processor
     size = adapter._size_kwargs(bounds)
+    if isinstance(adapter.token_rule, DynamicTileRule):
+        # InternVL: the whole processor (tiling on, as it sets it), the <IMG_CONTEXT> ids it writes.
+        full = adapter.processor
+        out = full(text=[f"{full.image_token}\nx"], images=[image], return_tensors="pt", **size)
+        assert out["pixel_values"].shape[0] == adapter.tile_rule.slots(
+            int(torch.tensor(adapter.tile_rule.tiles(width, height, bounds)).prod())
+        )
+        return int((out["input_ids"] == full.image_token_id).sum())
     if isinstance(adapter.token_rule, TileRule):
         out = processor(images=[[image]], return_tensors="pt", return_row_col_info=True, **size)
         rows, cols = out["rows"][0][0], out["cols"][0][0]
@@ -69,7 +77,7 @@ def test_token_count_under_a_budget_matches_processor(family_adapter, width, hei
     assert family_adapter.visual_tokens(width, height, bounds) == expected
     if expected > tokens:  # only a floor overshoots the cap: one tile, one token per side, or
         rule = family_adapter.token_rule  # a small image scaled up to min_pixels (rounded up)
-        if isinstance(rule, TileRule):
+        if isinstance(rule, TileRule | DynamicTileRule):
             assert tokens < rule.image_seq_len
         else:
             floor = min(rule.resized(width, height, bounds)) == rule.factor
@@ -100,6 +108,9 @@ def test_rule_from_the_json_files_alone(family_model_dir, family):
             16,
             512,
         )
+    elif family == "internvl":
+        assert isinstance(rule, DynamicTileRule)
+        assert (rule.tile, rule.image_seq_len, rule.min_tiles, rule.max_tiles) == (224, 64, 1, 12)
     else:
         assert isinstance(rule, SmartResizeRule) and rule.factor == 28
 
@@ -165,3 +176,62 @@ def test_an_unreachable_hub_is_said_so_not_taken_for_a_missing_file(monkeypatch)
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", missing)
     assert model_file("Org/model", "processor_config.json") is None
+
+
+# InternVL3-1B-hf's files as published (config.json, preprocessor_config.json): 448-px tiles of
+# 14-px patches, pixel-shuffled 2x2, at most 12 tiles (crop_to_patches is left off in the file:
+# InternVLProcessor turns it on for every call).
+INTERNVL3_CONFIG = {
+    "model_type": "internvl",
+    "downsample_ratio": 0.5,
+    "image_seq_length": 256,
+    "vision_config": {"image_size": [448, 448], "patch_size": [14, 14]},
+}
+INTERNVL3_PREPROCESSOR = {
+    "size": {"height": 448, "width": 448},
+    "crop_to_patches": False,
+    "min_patches": 1,
+    "max_patches": 12,
+    "image_processor_type": "GotOcr2ImageProcessorFast",
+}
+
+
+def test_internvl3_files_against_its_image_processor():
+    """The rule from InternVL3's published files counts the tiles transformers' own processor
+    cuts (its get_number_of_image_patches, with tiling on as InternVLProcessor calls it)."""
+    from transformers import GotOcr2ImageProcessor
+
+    from ingest.token_rules import rule_from_files
+
+    rule = rule_from_files(INTERNVL3_CONFIG, INTERNVL3_PREPROCESSOR)
+    assert isinstance(rule, DynamicTileRule) and (rule.tile, rule.image_seq_len) == (448, 256)
+    assert rule.token_geometry.token_pixels == 28 * 28  # as Qwen2-VL's
+    processor = GotOcr2ImageProcessor(size={"height": 448, "width": 448}, max_patches=12)
+    rng = np.random.default_rng(0)
+    sizes = [(911, 1288), (1288, 911), (1280, 720), (448, 448), (97, 1500), (56, 56), (3000, 400)]
+    sizes += [tuple(int(v) for v in rng.integers(10, 4000, 2)) for _ in range(300)]
+    for width, height in sizes:
+        for max_tiles in (1, 4, 12):
+            tiles = processor.get_number_of_image_patches(
+                height, width, {"crop_to_patches": True, "max_patches": max_tiles}
+            )
+            bounds = PixelBounds(1, rule.slots(max_tiles) * rule.tile_pixels)
+            assert rule.visual_tokens(width, height, bounds) == tiles * 256, (width, height, max_tiles)
+    # An A4 page (portrait): a 2x3 grid and the thumbnail.
+    assert rule.tiles(911, 1288) == (3, 2) and rule.visual_tokens(911, 1288) == 7 * 256
+
+
+@pytest.mark.parametrize(("detail", "max_tiles"), [("low", 1), ("medium", 1), ("high", 4)])
+def test_internvl_detail_presets_cap_the_tiles(detail, max_tiles):
+    """A preset's token cap becomes InternVL's max tiles: low (256) and medium (640) one 448-px
+    tile (two tiles and the thumbnail would be 768), high (1280) four tiles and the thumbnail."""
+    from ingest.budget import DETAIL_TOKENS, VisualBudget, job_bounds
+    from ingest.token_rules import rule_from_files
+
+    rule = rule_from_files(INTERNVL3_CONFIG, INTERNVL3_PREPROCESSOR)
+    bounds = job_bounds(VisualBudget(detail=detail), ["x"], None, rule.token_geometry)
+    assert rule.max_tiles_for(bounds) == max_tiles
+    for width, height in [(56, 56), (911, 1288), (1280, 720), (97, 1500), (2480, 3508)]:
+        tokens = rule.visual_tokens(width, height, bounds)
+        assert tokens <= DETAIL_TOKENS[detail]
+        assert tokens <= rule.visual_tokens(width, height)  # never more than the model's own

@@ -409,7 +409,10 @@ def model_tiny(
     out_dir: Annotated[Path, typer.Argument(metavar="DIR", help="Folder to write the model into.")],
     seed: Annotated[int, typer.Option()] = 0,
     family: Annotated[
-        str, typer.Option(help="qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3-vl-moe or idefics3 (or qwen3_vl, ...).")
+        str,
+        typer.Option(
+            help="qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3-vl-moe, idefics3 or internvl (or qwen3_vl, ...)."
+        ),
     ] = "qwen2_vl",
 ) -> None:
     """Write a tiny RANDOM model of a supported family that loads offline (for tests and demos;

@@ -21,6 +21,7 @@ ADAPTERS: dict[str, str] = {
     "qwen3_vl": "worker.models.qwen3_vl:Qwen3VLAdapter",
     "qwen3_vl_moe": "worker.models.qwen3_vl:Qwen3VLMoeAdapter",
     "idefics3": "worker.models.idefics3:Idefics3Adapter",
+    "internvl": "worker.models.internvl:InternVLAdapter",
     "llava_onevision": "worker.models.llava_onevision:LlavaOnevisionAdapter",
 }
 

@@ -1,9 +1,10 @@
 """Tiny random VLMs that build offline: what tests, the offline demo and benchmarks run.
 
-One per supported family: Qwen2-VL (the default), Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and
-Idefics3 (worker.models.tiny_idefics3). Their weights are random, so their outputs are
-meaningless text; what they prove is that every stage (processor, vision tower, token cache,
-embedding injection, packing, SQL) works with the real transformers classes, without the hub.
+One per supported family: Qwen2-VL (the default), Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE,
+Idefics3 (worker.models.tiny_idefics3) and InternVL (worker.models.tiny_internvl). Their weights
+are random, so their outputs are meaningless text; what they prove is that every stage
+(processor, vision tower, token cache, embedding injection, packing, SQL) works with the real
+transformers classes, without the hub.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def build_tokenizer():
     )
 
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "idefics3")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "idefics3", "internvl")
 FAMILIES += ("llava_onevision",)  # worker.models.tiny_llava_onevision
 QWEN3_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
 # transformers class-name prefix per Qwen family.
@@ -271,6 +272,10 @@ def write_tiny_model(
         from worker.models.tiny_idefics3 import write_tiny_idefics3
 
         write_tiny_idefics3(out, seed=seed, hidden_size=hidden_size, layers=layers, **knobs)
+    elif family == "internvl":
+        from worker.models.tiny_internvl import write_tiny_internvl
+
+        write_tiny_internvl(out, seed=seed, hidden_size=hidden_size, layers=layers, **knobs)
     elif family == "llava_onevision":
         from worker.models.tiny_llava_onevision import write_tiny_llava_onevision
 
