@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -226,7 +226,9 @@ def worker(
             "200",
         ]
     if {"encode", "generate"} & set(chosen):
-        _load_default_model()
+        rt = _load_default_model()
+        if rt is not None and "generate" in chosen:
+            _check_hot_tier(rt, concurrency or settings.generate_window)
     celery_app.worker_main(argv)
 
 
@@ -239,7 +241,30 @@ def _supervised(child_args: list[str]) -> int:
     return Supervisor([sys.executable, "-c", command, *child_args]).run()
 
 
-def _load_default_model() -> None:
+def _check_hot_tier(rt: Any, threads: int | None) -> None:
+    """Warn once at start when the cache Redis cannot hold this worker's pages in flight."""
+    from ingest.token_rules import read_json_file
+    from worker.cache_check import A4_PAGE_PX, worker_hot_tier_warning
+    from worker.fleet_sizing import pages_in_flight_per_gpu
+
+    log = logging.getLogger("worker.cache_check")
+    try:
+        config = read_json_file(rt.model_name, "config.json", rt.settings.model_revision) or {}
+        warning = worker_hot_tier_warning(
+            rt.cache,
+            config,
+            rt.token_rule.visual_tokens(*A4_PAGE_PX),
+            rt.adapter.dtype.itemsize,
+            pages_in_flight_per_gpu(threads, rt.settings.encode_chunk_units),
+        )
+    except Exception as exc:  # a check: never the worker's end
+        log.warning("hot-tier size not checked: %s: %s", type(exc).__name__, exc)
+        return
+    if warning:
+        log.warning("%s", warning)
+
+
+def _load_default_model() -> Any:
     """Load the default model before the first message is taken: a burst of messages then finds
     it ready instead of several task threads loading it at once, and a model that cannot load
     stops this worker (EX_CONFIG, the reason logged) instead of failing the units it holds."""
@@ -260,6 +285,8 @@ def _load_default_model() -> None:
         log.warning("model not loaded at start (%s: %s): the first task loads it", type(exc).__name__, exc)
     else:
         log.info("model %s loaded", rt.model_name)
+        return rt
+    return None
 
 
 def _serve_worker_metrics(settings: Settings, port: int | None, *, prefork: bool) -> None:

@@ -32,6 +32,15 @@ from ingest.spec import JobSpec
 from ingest.stage import expand_paths
 from ingest.survey import survey_source
 from ingest.token_rules import load_token_rule, read_json_file
+from worker.fleet_sizing import (
+    THROUGHPUT_SOURCE,
+    FleetFigures,
+    ModelShape,
+    S3Prices,
+    assumed_pages_per_second,
+    fleet_figures,
+    model_shape,
+)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Qwen2-VL's chat template around a prompt (system turn, user turn, image markers, assistant
@@ -75,6 +84,7 @@ class PlanModel:
     kv: KVShape
     visual_tokens: Callable[[int, int, PixelBounds | None], int]
     prompt_tokens: Callable[[str], int] | None  # None: no tokenizer, estimated
+    shape: ModelShape | None = None  # cache width and parameter counts (fleet figures)
 
 
 def load_plan_model(model: str, revision: str | None = None) -> PlanModel:
@@ -91,7 +101,11 @@ def load_plan_model(model: str, revision: str | None = None) -> PlanModel:
         prompt_tokens = load_prompt_counter(model, revision)
     except Exception:  # a template this renderer cannot run: estimated, and the plan says so
         prompt_tokens = None
-    return PlanModel(model, rule.token_geometry, kv, rule.visual_tokens, prompt_tokens)
+    try:
+        shape: ModelShape | None = model_shape(config)
+    except (KeyError, TypeError, ValueError):  # a config sizing cannot read: no fleet figures
+        shape = None
+    return PlanModel(model, rule.token_geometry, kv, rule.visual_tokens, prompt_tokens, shape)
 
 
 def estimate_prompt_tokens(prompt: str) -> int:
@@ -155,6 +169,7 @@ class Plan:
     gpu_hours: float | None = None
     cost_usd: float | None = None
     cost_per_million_pages_usd: float | None = None
+    fleet: FleetFigures | None = None
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -170,6 +185,9 @@ def plan_job(
     limits: Limits | None = None,
     throughput: Throughput | None = None,
     gpu_cost_per_hour: float | None = None,
+    deadline_s: float | None = None,
+    pages_in_flight: int | None = None,
+    prices: S3Prices | None = None,
 ) -> Plan:
     limits = limits or Limits()
     max_new = spec.sampling.max_new_tokens
@@ -247,4 +265,46 @@ def plan_job(
             result.cost_usd = result.gpu_hours * gpu_cost_per_hour
             if total.units:
                 result.cost_per_million_pages_usd = result.cost_usd / total.units * 1e6
+    if model.shape is not None and total.units:
+        result.fleet = _fleet(result, spec, model.shape, element_bytes, throughput, deadline_s,
+                              pages_in_flight, prices)  # fmt: skip
     return result
+
+
+def _fleet(
+    plan: Plan,
+    spec: JobSpec,
+    shape: ModelShape,
+    element_bytes: int,
+    throughput: Throughput | None,
+    deadline_s: float | None,
+    pages_in_flight: int | None,
+    prices: S3Prices | None,
+) -> FleetFigures:
+    """The job at fleet scale: GPUs for the deadline, cache bytes, S3 (worker.fleet_sizing)."""
+    total = plan.total
+    if throughput is None:
+        rate = assumed_pages_per_second(
+            shape,
+            total.tokens / total.requests,
+            total.visual_tokens / total.units,
+            total.requests / total.units,
+        )
+        source = THROUGHPUT_SOURCE
+    elif throughput.unit == "pages/s":  # requests (a unit asked one prompt) per second
+        rate, source = throughput.value * total.units / total.requests, "--throughput"
+    else:
+        rate, source = throughput.value * total.units / total.tokens, "--throughput"
+    return fleet_figures(
+        units=total.units,
+        visual_tokens=total.visual_tokens,
+        visual_tokens_max=total.visual_tokens_max,
+        shape=shape,
+        element_bytes=element_bytes,
+        pages_per_gpu_s=rate,
+        throughput_source=source,
+        cache_policy=spec.cache,
+        deadline_s=deadline_s,
+        pages_in_flight=pages_in_flight,
+        prices=prices,
+    )
