@@ -26,10 +26,23 @@ into one prompt. visbatch's unit is one sampled frame, cached under its own pixe
 on its own, so a frame is one image prompt: AnyRes tiles, base view and newlines, like a page
 (what the processor does with a frame passed as an image; ``tests/test_cached_equals_pixels.py``
 checks it from pixels). A frame cached that way is also shared with the same image anywhere
-else. The cost: a 320x240 frame is several hundred tokens on the real model where the video path
-would spend 196; ``--detail low`` (one tile) is the cheapest setting.
+else. The cost: never less than one tile and the base view, e.g. 1,317 tokens for a 320x240
+frame on the released models (384-px tiles), where their video path spends 196 per frame.
 
-vLLM (0.32): see ``vllm_unsupported`` / ``vllm_prompt`` below.
+**vLLM** (0.32) is not used for it, though it nearly works. Its LlavaOnevision accepts
+``image_embeds`` of shape (features, LM width) per image, puts them in unchanged and expands the
+prompt's one ``<image>`` to the tensor's length (``vllm_prompt`` below builds exactly that), and
+then generates the transformers engine's tokens (tried on the tiny model, in embeddings-only mode:
+four 448x448 pages in one batch, then a 700x300 one: token for token equal). But it declares
+that input as ONE tensor per encoder batch (``LlavaOnevisionImageEmbeddingInputs``:
+``TensorShape("bn", "ifs", "hs")``, the feature size not dynamic), and its scheduler batches the
+images of every request that starts in the same step: two images of different token counts (a
+448x448 and a 97x1500 page) fail with "ValueError: data contains inconsistent shapes:
+torch.Size([469, 128]) (index 0) vs torch.Size([217, 128]) (index 1)" inside the engine core,
+which kills the engine (EngineDeadError) for every request in flight; a server would die the
+same way on two clients' pages. Token counts vary with every page size here, so ``vllm`` (and
+``openai``) are refused at job start with that reason and ``auto`` picks transformers
+(``tests/vllm/test_engine_choice.py`` checks the refusal and that vLLM still declares that shape).
 """
 
 from __future__ import annotations
@@ -50,7 +63,11 @@ from worker.visual_tokens import TokenSpec, VisualTokens
 class LlavaOnevisionAdapter(ModelAdapter):
     family = "llava_onevision"
     model_class_name = "LlavaOnevisionForConditionalGeneration"
-    vllm_unsupported: str | None = None
+    vllm_unsupported = (
+        "vLLM 0.32's LlavaOnevision takes the image embeddings of one encoder batch as one tensor "
+        "(image_embeds: bn x ifs x hs), so two pages of different token counts scheduled together "
+        "kill its engine (ValueError: data contains inconsistent shapes)"
+    )
 
     @cached_property
     def processor(self) -> Any:
@@ -211,6 +228,30 @@ class LlavaOnevisionAdapter(ModelAdapter):
             "attention_mask": attention.to(self.device),
             # Per image, in row order: the model concatenates them over the <image> positions.
             "mm_encoder_outputs": self.mm_encoder_outputs([v.embeds.to(self.dtype) for v in visuals], []),
+        }
+
+    # --- vLLM ------------------------------------------------------------------------------
+
+    def collapse_image_placeholders(self, prompt_ids: list[int], num_visual_tokens: int) -> list[int]:
+        """Our prompt with its run of ``<image>`` ids collapsed back to ONE (vLLM expands it to
+        the embeddings' length itself); ValueError when the run and the tokens disagree."""
+        at = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
+        if not at:
+            raise ValueError("prompt has no image placeholder")
+        if at[-1] - at[0] + 1 != len(at):
+            raise ValueError("prompt has more than one run of image placeholders")
+        if len(at) != num_visual_tokens:
+            raise ValueError(
+                f"prompt has {len(at)} image placeholders, the visual tokens are {num_visual_tokens}"
+            )
+        return prompt_ids[: at[0] + 1] + prompt_ids[at[-1] + 1 :]
+
+    def vllm_prompt(self, prompt_ids: list[int], visual: VisualTokens, uuid: str) -> dict[str, Any]:
+        return {
+            "prompt_token_ids": self.collapse_image_placeholders(prompt_ids, visual.num_tokens),
+            # One image's packed embeddings, (1, tokens, width): vLLM's embeddings input for it.
+            "multi_modal_data": {"image": visual.embeds.unsqueeze(0)},
+            "multi_modal_uuids": {"image": [uuid]},
         }
 
     def token_rows(self, visual: VisualTokens) -> list[int]:
