@@ -50,7 +50,8 @@ def set_job_status(db: Database, job_id: str, status: str, error: str | None = N
     """Set the status (and error, when given). A finished status stamps finished_at once; an
     unfinished one (a resumed job) clears it."""
     status = job_status_value(status)
-    values: dict[str, Any] = {"status": status}
+    # Whatever moved the job, only close_job's recount is a report `status` may trust unrecounted.
+    values: dict[str, Any] = {"status": status, "tokens": None}
     if error is not None:
         values["error"] = error
     if status in FINISHED_JOB_STATUSES:
@@ -146,7 +147,11 @@ def close_job(db: Database, job_id: str) -> str:
             raise JobNotFound(f"no job {job_id!r}")
         tally = _tally(session, job_id)
         status = _final_status(job.status, tally)
+        from storage.token_report import token_report  # beside the tables it reads
+
         values: dict[str, Any] = {
+            # Counted once here: `status` of a finished job reads it instead of every result again.
+            "tokens": token_report(session, job_id),
             "status": status,
             "finished_at": func.coalesce(JOBS.c.finished_at, now_param()),
             "sources_total": sum(tally.sources.values()),
@@ -254,18 +259,17 @@ def _collect_errors(
 def job_summary(db: Database, job_id: str, *, max_errors: int = MAX_ERRORS) -> dict[str, Any]:
     """Status, counters and errors of a job (id or unique prefix).
 
-    Result counts and token sums are counted live from the results table, so they are right
-    while the job still runs; the other counters are maintained as work happens.
+    While the job runs, result counts and token sums are counted live from the results table (so
+    they are right mid-run); once close_job has counted them, from the job row (a finished job of
+    10 million results is not read again: docs/scale.md). The other counters are maintained as
+    work happens.
     """
     with db.session(readonly=True) as session:
         full_id = resolve_in_session(session, job_id)
         job = session.execute(select(JOBS).where(JOBS.c.id == full_id)).one()
-        results_total, results_failed, prompt_tokens, completion_tokens = _result_totals(session, full_id)
+        results_total, results_failed, prompt_tokens, completion_tokens, tokens = job_totals(session, job)
         prompts = list((job.spec or {}).get("prompts") or [])
         errors, truncated = _collect_errors(session, full_id, max_errors, prompts)
-        from storage.token_report import token_report  # beside the tables it reads
-
-        tokens = token_report(session, full_id)
         running = job.status == JobStatus.RUNNING
         # What a running job waits for (status tells a stalled or unserved job from a slow one).
         outstanding = outstanding_counts(session, full_id) if running else None
@@ -304,6 +308,25 @@ def job_summary(db: Database, job_id: str, *, max_errors: int = MAX_ERRORS) -> d
         "errors": errors,
         "errors_truncated": truncated,
     }
+
+
+def closed_report(job: Any) -> dict[str, Any] | None:
+    """The token report close_job stored for a finished job; None when it must be counted live
+    (the job runs, was reopened, or was finished by something other than close_job)."""
+    if job.status in FINISHED_JOB_STATUSES and job.tokens is not None:
+        return dict(job.tokens)
+    return None
+
+
+def job_totals(session: Connection, job: Any) -> tuple[int, int, int, int, dict[str, Any]]:
+    """(results, of which failed, prompt tokens, completion tokens, token report) of a job row:
+    from the row itself once close_job has counted them, else counted from the rows."""
+    report = closed_report(job)
+    if report is not None:
+        return job.results_total, job.results_failed, job.prompt_tokens, job.completion_tokens, report
+    from storage.token_report import token_report  # beside the tables it reads
+
+    return (*_result_totals(session, job.id), token_report(session, job.id))
 
 
 def _seconds_between(start: datetime | None, end: datetime | None) -> float | None:
@@ -368,7 +391,7 @@ def cancel_if_running(db: Database, job_id: str, error: str) -> bool:
     stmt = (
         update(JOBS)
         .where(JOBS.c.id == job_id, JOBS.c.status == JobStatus.RUNNING.value)
-        .values(status=JobStatus.CANCELLED.value, error=error, finished_at=now_param())
+        .values(status=JobStatus.CANCELLED.value, error=error, finished_at=now_param(), tokens=None)
         .returning(JOBS.c.id)
     )
     with db.session() as session:
@@ -550,6 +573,7 @@ def reopen_job(db: Database, job_id: str) -> ReopenedJob:
                 status=JobStatus.RUNNING.value,
                 error=None,
                 finished_at=None,
+                tokens=None,
                 sources_failed=tally.sources.get(SourceStatus.FAILED, 0),
                 units_failed=tally.units.get(UnitStatus.FAILED, 0),
                 units_pending=_unfinished(tally) + pending_sources,

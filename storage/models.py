@@ -33,6 +33,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.types import TypeEngine
 
@@ -212,6 +213,10 @@ JOBS = Table(
     # it cannot be read). `status` and `jobs` say `interrupted` when that process is gone
     # (worker.job_activity); kept as history when the run ends. NULL for a fleet job.
     Column("process", Text, nullable=True),
+    # The job's token report (storage.token_report) as close_job counted it when the job finished
+    # (migration 0007); NULL while it runs or once reopened. `status` reads it instead of summing
+    # the job's results again: 10 million of them take seconds to sum, this one row none.
+    Column("tokens", JSONDocument, nullable=True),
 )
 
 SOURCES = Table(
@@ -263,6 +268,8 @@ UNITS = Table(
     UniqueConstraint("source_id", "unit_index"),
     # Serves "this job's units in state X" (resume, counts) and plain per-job lookups.
     Index("ix_units_job_id_status", "job_id", "status"),
+    # Which units (of which jobs) use a cached entry: `visbatch purge` keeps those (migration 0007).
+    Index("ix_units_cache_key", "cache_key"),
 )
 
 RESULTS = Table(
@@ -290,7 +297,8 @@ RESULTS = Table(
     _created_at(),
     _updated_at(),
     UniqueConstraint("unit_id", "prompt_index"),
-    # The PostgreSQL-only GIN index on output: see schema_metadata().
+    # The PostgreSQL-only GIN index on output and the partial index of failed answers: see
+    # schema_metadata().
 )
 
 
@@ -335,10 +343,18 @@ def schema_metadata() -> MetaData:
             postgresql_ops={"output": "jsonb_path_ops"},
             info={ONLY_ON: "postgresql"},
         ).ddl_if(dialect="postgresql")
+    if _FAILED_INDEX not in {index.name for index in RESULTS.indexes}:
+        # A job's failed answers without reading its good ones (status's errors, the view's
+        # "failed" filter, docs/sql.md's failed answers): a partial index, holding only the
+        # failed rows (migration 0007). Declared here for the same reason as the GIN index: the
+        # postgresql_where option loads the PostgreSQL dialect.
+        failed = text("error IS NOT NULL")
+        Index(_FAILED_INDEX, RESULTS.c.job_id, postgresql_where=failed, sqlite_where=failed)
     return METADATA
 
 
 _GIN_INDEX = "ix_results_output_gin"
+_FAILED_INDEX = "ix_results_job_id_failed"
 
 
 def include_object_for(dialect_name: str) -> Callable[[Any, str | None, str, bool, Any], bool]:

@@ -23,6 +23,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Connection, Select, and_, case, exists, func, or_, select
 
 from storage.db import Database
+from storage.jobs import closed_report
 from storage.models import JOBS, RESULTS, SOURCES, UNITS, UnitStatus
 from storage.repository import resolve_job_id
 from storage.token_report import token_report
@@ -111,7 +112,8 @@ def load_job(db: Database, job: str) -> JobInfo:
     job_id = resolve_job_id(db, job)
     with db.session(readonly=True) as session:
         row = session.execute(select(JOBS).where(JOBS.c.id == job_id)).one()
-        tokens = token_report(session, job_id)
+        # A finished job's report as close_job counted it (every review page shows it).
+        tokens = closed_report(row) or token_report(session, job_id)
     return JobInfo(
         id=row.id,
         status=row.status,

@@ -30,6 +30,7 @@ from worker.cli_errors import (
 )
 from worker.cli_group import VisbatchGroup
 from worker.cli_output import make_console, print_summary, shown_path, token_lines
+from worker.purge_cli import register as _register_purge
 from worker.review.cli import register as _register_review
 
 
@@ -429,6 +430,7 @@ def jobs(limit: Annotated[int, typer.Option(metavar="N", help="How many, newest 
 
 
 _register_review(app)
+_register_purge(app)
 
 
 @model_app.command("tiny")
