@@ -30,6 +30,11 @@ BENCHMARKS = [
     "cpu_side",  # Q13 (Q12, vllm_window, runs in the vLLM venv: make bench-vllm)
 ]
 
+# Run only when named (`python -m bench db_scale`): too long for the whole suite (10M rows).
+ON_DEMAND = [
+    "db_scale",  # issue 24: the database at scale
+]
+
 ENV = {
     "TRANSFORMERS_VERBOSITY": "error",
     "HF_HUB_OFFLINE": "1",
@@ -42,9 +47,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", default="", help="comma-separated benchmark names")
+    parser.add_argument("names", nargs="*", help="benchmarks to run (as --only)")
     args = parser.parse_args()
-    chosen = [n for n in args.only.split(",") if n] or BENCHMARKS
-    unknown = sorted(set(chosen) - set(BENCHMARKS))
+    chosen = [n for n in args.only.split(",") if n] + args.names or BENCHMARKS
+    unknown = sorted(set(chosen) - set(BENCHMARKS) - set(ON_DEMAND))
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; choose from {', '.join(BENCHMARKS)}")
     env = {**os.environ, **ENV}

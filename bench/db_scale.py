@@ -20,10 +20,11 @@ included) with VISBATCH_DATABASE_URL, timed wall-clock, peak RSS read from wait4
 PostgreSQL query of docs/sql.md, with EXPLAIN (ANALYZE, BUFFERS) printed for the slow ones.
 The load average is recorded beside every timing (the machine is shared).
 
-  python -m bench db_scale                 # 10M rows (about 20 min here)
-  python -m bench db_scale --rows 400000   # a quick run
-  python -m bench db_scale --keep          # keep the database (then --reuse times it again)
-  python -m bench db_scale --tree DIR      # time the commands of another checkout (e.g. the code
+  python -m bench db_scale                 # 10M rows (about 45 min on this shared 2-core machine)
+  python -m bench --quick db_scale         # 400,000 rows
+  python -m bench.db_scale --rows 1000000  # any size
+  python -m bench.db_scale --keep          # keep the database (then --reuse times it again)
+  python -m bench.db_scale --tree DIR      # time the commands of another checkout (e.g. the code
                                            # before the fixes: git archive COMMIT | tar -x -C DIR)
 """
 
@@ -650,9 +651,7 @@ def main() -> None:
                     "visbatch purge --older-than 30d --dry-run", ["purge", "--older-than", "30d", "--dry-run"]
                 )
             )
-            runs.append(
-                cli.run(f"visbatch purge --job B ({rows_b:,} rows)", ["purge", "--job", job_b[:12], "--yes"])
-            )
+            runs.append(cli.run(f"visbatch purge --job B ({rows_b:,} rows)", ["purge", "--job", job_b[:12]]))
     figures["runs"] = [vars(r) for r in runs]
     figures["queries"] = [vars(q) for q in queries]
     figures["load_after"] = loadavg()
