@@ -15,6 +15,8 @@ from typing import Any
 from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import URL, make_url
 
+from storage import usage
+
 log = logging.getLogger(__name__)
 
 # How long a SQLite writer waits for the file lock before "database is locked".
@@ -108,6 +110,7 @@ class Database:
         self.engine: Engine = _engine(self.url, **engine_kwargs)
         if self.is_sqlite:
             _install_sqlite_hooks(self.engine)
+        usage.watch_engine(self.engine)  # capacity tests only: a no-op unless VISBATCH_USAGE_DIR
         self._writer = self.engine.execution_options(**{_WRITE_OPTION: True})
         log.debug("database %s", self.masked_url)
 

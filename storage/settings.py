@@ -195,7 +195,7 @@ class Settings:
     engine: str = setting(
         "auto",
         description="Generation engine: vllm, transformers, openai (a vLLM server at llm_url), or auto "
-        "(vllm where importable, on a GPU).",
+        "(vllm where importable, on a GPU); load: capacity tests only (no model compute, fixed answers).",
     )
     device: str = setting("auto", description="torch device: auto, cpu, cuda, cuda:1 ...")
     dtype: str = setting("auto", description="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.")
@@ -237,6 +237,17 @@ class Settings:
         64, ge=1, description="HTTP requests kept open at the server (each carries its embeddings)."
     )
     llm_max_retries: int = setting(5, ge=0, description="Retries of a timeout, connection error, 429 or 5xx.")
+
+    # --- load engine: capacity tests only (worker/engines/load_engine.py, VISBATCH_LOAD_*) ----
+    load_tokens_per_s: float = setting(
+        20_000.0, gt=0, description="load engine (capacity tests only): tokens/s of the emulated GPU."
+    )
+    load_output_tokens: int = setting(
+        8, ge=1, description="load engine (capacity tests only): new tokens per answer (<= max_new_tokens)."
+    )
+    load_request_tokens: int | None = setting(
+        None, ge=1, description="load engine (capacity tests only): tokens a request costs (default: own)."
+    )
 
     # --- input limits (defaults in ingest/limits.py; None keeps the default) -----------------
     limit_max_source_bytes: int | None = setting(None, ge=1, description="Bytes per source file.")
@@ -296,6 +307,11 @@ class Settings:
     # (seconds to a couple of minutes) never fails a unit; a longer outage does, with its cause.
     task_max_retries: int = setting(8, ge=0, description="Retries of a transient error before a unit fails.")
     encode_chunk_units: int = setting(16, ge=1, description="Units per encode task.")
+    # Capacity tests only (bench/unit_costs.py, bench/control_plane.py): read once by storage.usage.
+    usage_dir: Path | None = setting(
+        None, description="Capacity tests only: count SQL statements and task messages per process "
+        "into <dir>/<pid>.json (off when unset)."
+    )
 
     def __init__(self, **values: Any) -> None:
         unknown = sorted(set(values) - set(SETTINGS))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from celery import Celery
 
+from storage import usage
 from storage.settings import Settings
 
 QUEUES = ("ingest", "encode", "generate")
@@ -82,6 +83,7 @@ def make_celery(settings: Settings) -> Celery:
 
 
 app = make_celery(Settings())
+usage.watch_celery()  # capacity tests only: a no-op unless VISBATCH_USAGE_DIR
 
 # Every worker runs the safety net for stuck jobs once it is ready (a thread; worker.stall_watch).
 import worker.stall_watch  # noqa: E402, F401

@@ -248,7 +248,8 @@ class Runtime:
             return self.settings.generate_window
         # vLLM schedules hundreds of sequences at once (Ray Data LLM keeps 256 per replica), in
         # process or as a server; transformers runs static batches, so a few batches' worth to pack from.
-        return 256 if self.engine.name in ("vllm", "openai") else 4 * self.settings.max_batch_size
+        # The load engine (capacity tests) stands for a vLLM GPU.
+        return 256 if self.engine.name in ("vllm", "openai", "load") else 4 * self.settings.max_batch_size
 
     def kill_splitters(self) -> None:
         """Kill every splitting child (from any thread): a stopping run ends its renders at once."""

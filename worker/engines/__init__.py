@@ -3,7 +3,9 @@
 `VISBATCH_ENGINE` is `vllm`, `transformers`, `openai`, or `auto` (the default): vLLM where it can
 be imported, the model runs on a GPU and vLLM can take the family's cached tokens; transformers
 everywhere else (a laptop, CI, a CPU worker, an Idefics3 model). `openai` is never picked by
-`auto`: it sends the cached tokens to a running `vllm serve` at `VISBATCH_LLM_URL`.
+`auto`: it sends the cached tokens to a running `vllm serve` at `VISBATCH_LLM_URL`. `load` is for
+capacity tests only (fixed answers after a GPU-like delay, no model compute: load_engine.py);
+`auto` never picks it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("vllm", "transformers", "openai")
+ENGINES = ("vllm", "transformers", "openai", "load")
 
 
 def resolve_engine_name(name: str, adapter: ModelAdapter) -> str:
@@ -52,6 +54,11 @@ def make_engine(name: str, adapter: ModelAdapter, settings: Settings | None = No
         from worker.engines.vllm_engine import VLLMEngine, VLLMOptions
 
         return VLLMEngine(adapter, VLLMOptions.from_settings(settings or Settings()))
+    if resolved == "load":  # capacity tests only (bench/control_plane.py)
+        from storage.settings import Settings
+        from worker.engines.load_engine import make_load_engine
+
+        return make_load_engine(adapter, settings or Settings())
     if resolved == "openai":
         from storage.settings import Settings
         from worker.engines.openai_engine import OpenAIEngine, OpenAIOptions
