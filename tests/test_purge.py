@@ -225,3 +225,48 @@ def test_ages(text: str, expected: timedelta) -> None:
     from worker.purge_cli import parse_age
 
     assert parse_age(text) == expected
+
+
+def retention_sql() -> list[str]:
+    """docs/sql.md's statements under a `-- Retention:` comment, in order."""
+    import re
+
+    body = (Path(__file__).resolve().parents[1] / "docs" / "sql.md").read_text()
+    statements = []
+    for block in re.findall(r"```sql\n(.*?)```", body, flags=re.S):
+        if "-- Retention:" not in block:
+            continue
+        for statement in block.split(";"):
+            code = "\n".join(line for line in statement.splitlines() if not line.startswith("--")).strip()
+            if code:
+                statements.append(code)
+    return statements
+
+
+def test_the_documented_retention_sql(db: Database) -> None:
+    """docs/sql.md's retention SQL as written (the job id and cut-off filled in), each DELETE
+    repeated until it deletes nothing: the old job is gone, the other one intact."""
+    from sqlalchemy import text
+
+    old = finished_job(db, [_key("shared"), _key("only")], days_ago=40, uri="file:///old.pdf")
+    new = finished_job(db, [_key("shared")], days_ago=1, uri="file:///new.pdf")
+    cutoff = (utcnow() - timedelta(days=30)).strftime("%Y-%m-%d")
+    listing, keys, *deletes = retention_sql()
+    assert len(deletes) == 4 and all(d.startswith("DELETE") for d in deletes)
+
+    def bound(sql: str) -> Any:
+        # The docs' SQL, the job id and cut-off bound where the page writes '...' and a date.
+        return text(sql.replace("'...'", ":job").replace("'2026-11-01'", ":cutoff"))
+
+    with db.engine.begin() as connection:
+        found = connection.execute(bound(listing), {"cutoff": cutoff}).all()
+        assert [row[0] for row in found] == [old]
+        only = connection.execute(bound(keys), {"job": old}).all()
+        assert [row[0] for row in only] == [_key("only")]
+    for statement in deletes:
+        while True:
+            with db.engine.begin() as connection:
+                if connection.execute(bound(statement), {"job": old}).rowcount == 0:
+                    break
+    assert rows_of(db, old) == (0, 0, 0, 0)
+    assert rows_of(db, new) == (1, 1, 1, 2)
