@@ -25,6 +25,9 @@ _TEMPLATE_FILES = (
 )
 # What a family's template puts where the image goes (its placeholder tokens are left out).
 _IMAGE_MARKERS = ("<|image_pad|>", "<image>")
+# A family whose processor wraps the image's run in text tokens that a run counts as prompt tokens
+# (InternVL: <img> ... </img> around its <IMG_CONTEXT> run): its placeholder counts as the wrapper.
+_IMAGE_WRAPPERS = {"<IMG_CONTEXT>": ("<img>", "</img>")}
 
 
 def _template_text(model: str, revision: str | None) -> str | None:
@@ -69,11 +72,17 @@ def load_prompt_counter(model: str, revision: str | None = None) -> Callable[[st
 
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     marker_ids = {tokenizer.token_to_id(m) for m in _IMAGE_MARKERS} - {None}
+    # marker id -> tokens it stands for, when the tokenizer has the marker and its wrapper
+    wrapped = {
+        tokenizer.token_to_id(marker): len(wrapper)
+        for marker, wrapper in _IMAGE_WRAPPERS.items()
+        if None not in {tokenizer.token_to_id(t) for t in (marker, *wrapper)}
+    }
 
     def count(prompt: str) -> int:
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
         ids = tokenizer.encode(_render(template, messages), add_special_tokens=False).ids
-        return sum(1 for token in ids if token not in marker_ids)
+        return sum(wrapped.get(token, 0 if token in marker_ids else 1) for token in ids)
 
     count("x")  # a template that cannot render fails here, not in the middle of a plan
     return count

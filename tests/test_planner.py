@@ -134,18 +134,65 @@ def test_plan_command_json(tiny_model_dir, tmp_path):
 
 def test_prompt_tokens_without_torch_equal_the_adapters(family_adapter):
     """The planner's torch-free count (tokenizer.json + the chat template in Jinja) is the count a
-    run records for the Qwen families. Idefics3 wraps every tile of an image in marker tokens
-    that the run counts as prompt tokens: the plan leaves those few out (a documented estimate)."""
+    run records for the Qwen families and InternVL (its <img></img> counted for the image's
+    placeholder). Idefics3 wraps every tile of an image in marker tokens that the run counts as
+    prompt tokens: the plan leaves those few out (a documented estimate)."""
     from ingest.prompt_tokens import load_prompt_counter
 
     count = load_prompt_counter(family_adapter.ref.source)
     assert count is not None
     for prompt in ("What is the total?", "Décris la scène. 表は?", '{"json": "braces"} and {{ jinja }}'):
         run = len(family_adapter.prompt_ids(prompt, None))
-        if family_adapter.family.startswith("qwen"):
+        if family_adapter.family.startswith("qwen") or family_adapter.family == "internvl":
             assert count(prompt) == run, prompt
         else:
             assert 0 <= run - count(prompt) <= 4, prompt  # the global image's markers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "budget",
+    [VisualBudget(), VisualBudget(detail="low", max_tokens_per_video=150)],
+    ids=["model-default", "low+video-cap"],
+)
+def test_internvl_plan_equals_what_a_run_records(settings_factory, family_model_dir, tmp_path, budget):
+    """InternVL's tiles (the grid chosen by aspect ratio, the thumbnail) and its <img></img>
+    markers: the plan's visual and prompt tokens are what a run of the tiny InternVL spends."""
+    model_dir = family_model_dir("internvl")
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    write_pdf(inputs / "doc.pdf", pages=2)
+    write_video(inputs / "clip.mp4", seconds=2)  # 2 frames at 1 fps, 320x240: 4x3 tiles + thumbnail
+    spec = JobSpec(
+        prompts=["What is the total?", "Describe it."],
+        sampling=Sampling(max_new_tokens=4),
+        ingest=IngestOptions(),
+        budget=budget,
+    )
+    plan = plan_job([inputs], spec, load_plan_model(str(model_dir)), element_bytes=dtype_bytes("float32"))
+    rt = Runtime(settings_factory(model=str(model_dir), dtype="float32"))
+    job_id = run_job(rt, [inputs], spec)
+    records = list(repo.iter_results(rt.db, job_id))
+    summary = repo.job_summary(rt.db, job_id)
+    rt.close()
+    assert summary["status"] == "succeeded", summary["errors"]
+    by_source = defaultdict(list)
+    for r in records:
+        by_source[r["source"]].append(r)
+    assert {s.source for s in plan.sources} == set(by_source)
+    for source in plan.sources:
+        rows = by_source[source.source]
+        assert source.requests == len(rows)
+        assert source.visual_tokens == sum(r["visual_tokens"] for r in rows if r["prompt_index"] == 0)
+        assert source.prompt_tokens == sum(r["prompt_tokens"] for r in rows)
+    assert plan.total.visual_tokens == summary["visual_tokens"] == summary["tokens"]["spent"]["visual"]
+    assert plan.total.prompt_tokens == summary["prompt_tokens"]
+    video = next(s for s in plan.sources if s.kind == "video")
+    if budget.detail == "low":
+        assert video.visual_tokens <= 150  # one 224-px tile (64 tokens) per frame
+        assert summary["tokens"]["saved"]["detail"] > 0
+    else:
+        assert video.visual_tokens == 2 * 13 * 64  # 4x3 tiles and the thumbnail per frame
 
 
 def test_plan_imports_neither_torch_nor_transformers(tiny_model_dir, tmp_path):

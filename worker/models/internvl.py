@@ -17,7 +17,23 @@ How it differs from the Qwen families, and how the interface carries it:
   token's sequence position; a merge never joins two tiles, nor two rows of a tile
   (``token_rows``).
 
-vLLM: see ``vllm_unsupported``.
+**vLLM** (0.32) is not used for it, though it nearly works. It runs transformers' InternVL
+checkpoints as its InternS1 model, whose prompt replacement accepts image embeddings (the run of
+``<IMG_CONTEXT>`` as long as the embeddings, wrapped in ``<img>`` ... ``</img>`` by vLLM itself:
+``vllm_prompt`` below sends ONE ``<IMG_CONTEXT>`` and the (1, tokens, hidden) tensor), and then
+generates the transformers engine's tokens (tried on the tiny model in embeddings-only mode:
+three 448x448 pages in one batch, then five sizes from 56x56 to 97x1500 one request at a time:
+token for token equal). But it declares that input as ONE tensor per encoder batch
+(``InternS1ImageEmbeddingInputs``: ``TensorShape("ni", "tifs", "hs")``, the token count not
+dynamic), and its scheduler batches the images of every request that starts in the same step:
+two pages of different tile grids (a 1280x720 and a 97x1500 page: 576 and 832 tokens) fail with
+"ValueError: data contains inconsistent shapes: torch.Size([576, 128]) (index 0) vs
+torch.Size([832, 128]) (index 1)" inside the engine core, which kills the engine
+(EngineDeadError) for every request in flight; a server would die the same way on two clients'
+pages. Tile grids vary with page sizes, so ``vllm`` (and ``openai``) are refused at job start with
+that reason and ``auto`` picks transformers (``tests/vllm/test_engine_choice.py`` checks the
+refusal and that vLLM still declares that shape). ``vision_tower`` (the tower and projector
+alone) is what an encode worker beside vLLM would load.
 """
 
 from __future__ import annotations
@@ -37,6 +53,11 @@ from worker.visual_tokens import TokenSpec, VisualTokens
 class InternVLAdapter(ModelAdapter):
     family = "internvl"
     model_class_name = "InternVLForConditionalGeneration"
+    vllm_unsupported = (
+        "vLLM 0.32's InternVL (InternS1) takes the image embeddings of one encoder batch as one "
+        "tensor (image_embeds: ni x tifs x hs), so two pages of different tile grids scheduled "
+        "together kill its engine (ValueError: data contains inconsistent shapes)"
+    )
 
     @cached_property
     def processor(self) -> Any:
@@ -105,6 +126,21 @@ class InternVLAdapter(ModelAdapter):
         model = cls.from_pretrained(self.ref.source, revision=self.ref.revision, dtype=self.dtype)
         return model.to(self.device).eval()
 
+    @cached_property
+    def vision_tower(self) -> torch.nn.Module:
+        """The InternVLModel that runs `get_image_features` (tower, pixel shuffle, projector): the
+        whole model's when it is (or will be) loaded for generation; else a CPU load of the
+        checkpoint (every published key layout maps as transformers maps it) with its language
+        model dropped, so that an encode worker beside vLLM holds no second copy of the LM."""
+        if not self.vision_only or "model" in self.__dict__:
+            return self.model.model
+        import transformers
+
+        cls = getattr(transformers, self.model_class_name)
+        inner = cls.from_pretrained(self.ref.source, revision=self.ref.revision, dtype=self.dtype).model
+        inner.language_model = torch.nn.Module()  # its weights go with the dropped model
+        return inner.to(self.device).eval()
+
     @torch.inference_mode()
     def encode(self, images: list[Image.Image], bounds: PixelBounds | None = None) -> list[VisualTokens]:
         kwargs = self._size_kwargs(bounds)
@@ -120,7 +156,7 @@ class InternVLAdapter(ModelAdapter):
                     f"{rows}x{cols} (+ thumbnail)"
                 )
             grids.append(grid)
-        features = self.model.model.get_image_features(
+        features = self.vision_tower.get_image_features(
             pixel_values=inputs["pixel_values"].to(self.device, self.dtype)
         ).pooler_output  # (tiles of all images, tokens per tile, hidden)
         flat = features.reshape(-1, features.shape[-1])
@@ -182,3 +218,40 @@ class InternVLAdapter(ModelAdapter):
         if side * side != seq_len:
             return [seq_len] * (visual.num_tokens // seq_len)  # not square: a tile is one row
         return [side] * (visual.num_tokens // side)
+
+    # --- vLLM (refused: see the module docstring; kept for when vLLM takes varying sizes) ------
+
+    def collapse_image_placeholders(self, prompt_ids: list[int], num_visual_tokens: int) -> list[int]:
+        """Our prompt with `<img>`, its run of `<IMG_CONTEXT>` ids and `</img>` collapsed to ONE
+        `<IMG_CONTEXT>`: vLLM's processor expands that id to the whole wrapped run itself (from the
+        embeddings' length); given our expanded run it would expand every id again."""
+        processor = self.processor
+        start, end = processor.start_image_token_id, processor.end_image_token_id
+        positions = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
+        if not positions:
+            raise ValueError("prompt has no image placeholder")
+        first, last = positions[0], positions[-1]
+        if last - first + 1 != len(positions):
+            raise ValueError("prompt has more than one run of image placeholders")
+        if len(positions) != num_visual_tokens:
+            raise ValueError(
+                f"prompt has {len(positions)} image placeholders, the visual tokens are {num_visual_tokens}"
+            )
+        if (
+            first < 1
+            or prompt_ids[first - 1] != start
+            or last + 1 >= len(prompt_ids)
+            or prompt_ids[last + 1] != end
+        ):
+            raise ValueError("the image placeholders are not wrapped in <img> ... </img>")
+        return prompt_ids[: first - 1] + [self.image_token_id] + prompt_ids[last + 2 :]
+
+    def vllm_prompt(self, prompt_ids: list[int], visual: VisualTokens, uuid: str) -> dict[str, Any]:
+        return {
+            "prompt_token_ids": self.collapse_image_placeholders(prompt_ids, visual.num_tokens),
+            # Embeddings alone, one image: (1, tokens, hidden). The tile layout is ours only (vLLM
+            # needs the count, which the tensor carries).
+            "multi_modal_data": {"image": visual.embeds.unsqueeze(0)},
+            # Our cache key stands for the image in vLLM's prefix cache (no tensor hashing).
+            "multi_modal_uuids": {"image": [uuid]},
+        }
