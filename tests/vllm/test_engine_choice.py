@@ -104,3 +104,41 @@ def test_real_adapters_say_whether_vllm_takes_them():
     assert adapter_class("idefics3").vllm_unsupported
     for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
         assert adapter_class(family).vllm_unsupported is None, family
+
+
+def test_internvl_is_refused_by_both_vllm_engines_and_auto_picks_transformers(monkeypatch):
+    """InternVL's real reason (worker.models.internvl): auto keeps it on transformers, and asking
+    for vLLM in process or a vLLM server says why at job start, before any request."""
+    from worker.engines.openai_engine import OpenAIEngine, OpenAIOptions
+    from worker.models import adapter_class
+
+    reason = adapter_class("internvl").vllm_unsupported
+    assert reason and "different tile grids" in reason
+    adapter = FamilyAdapter("cuda", reason)
+    adapter.family = "internvl"
+    monkeypatch.setattr(vllm_module, "vllm_available", lambda: True)
+    assert resolve_engine_name("auto", adapter) == "transformers"
+    with pytest.raises(
+        vllm_module.VLLMUnsupportedFamily, match=r"vllm cannot run internvl: vLLM 0\.32's InternVL"
+    ):
+        make_engine("vllm", adapter, Settings())
+    with pytest.raises(
+        vllm_module.VLLMUnsupportedFamily, match=r"openai cannot run internvl: .*transformers"
+    ):
+        OpenAIEngine(adapter, OpenAIOptions(url="http://127.0.0.1:9/v1"))  # nothing is contacted
+
+
+def test_vllm_still_takes_one_internvl_token_count_per_encoder_batch():
+    """Why InternVL is refused, checked against the installed vLLM: its InternS1 declares the
+    embeddings of one encoder batch as ONE (images, tokens, hidden) tensor, so two pages of
+    different tile grids fail (inside the engine core, killing it). When this starts passing
+    through, vLLM takes varying sizes: lift `vllm_unsupported` and test the engine for real."""
+    from tests.vllm.conftest import require_vllm
+
+    require_vllm()
+    from vllm.model_executor.models.interns1 import InternS1ImageEmbeddingInputs
+
+    same = [torch.zeros(576, 8), torch.zeros(576, 8)]
+    assert len(InternS1ImageEmbeddingInputs(type="image_embeds", data=same).data) == 2
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        InternS1ImageEmbeddingInputs(type="image_embeds", data=[torch.zeros(576, 8), torch.zeros(832, 8)])
