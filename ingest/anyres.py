@@ -18,12 +18,14 @@ builds, for ONE image per prompt (the only way visbatch asks):
 
 The layout cached with the tokens is that map's (rows, cols) after steps 3-4.
 
-Budgets speak pixels (``PixelBounds``); here ``max_pixels`` chooses the grids allowed: those
-whose tiles plus the base view fit in it (``AnyResRule.pinpoints_for``); at least the smallest
-grid (one tile) always stays. ``min_pixels`` has no effect (the image is always fitted to a
-grid). The detail presets choose grids too (``AnyResRule.token_geometry``): ``low`` one tile,
-``medium`` up to four, ``high`` the model's own grids (the model itself shrinks anything over
-``anyres_max_N`` tiles' worth).
+Budgets speak pixels (``PixelBounds``); here ``max_pixels`` / ``token_pixels`` (the pixels of a
+tile over its tokens) is a token cap, and it chooses the grids allowed: those whose most tokens
+(base view, every tile, a newline per feature row, before the padding is cut; over
+``anyres_max_N`` the interpolated bound) fit in it (``AnyResRule.pinpoints_for``). The smallest
+grid (one tile) always stays, so only a cap under one tile and the base view is overshot.
+``min_pixels`` has no effect (the image is always fitted to a grid). The detail presets choose
+grids too (``AnyResRule.token_geometry``): ``low`` one tile, ``medium`` up to four, ``high`` the
+model's own grids (the model itself shrinks a map over ``anyres_max_N`` tiles' worth).
 """
 
 from __future__ import annotations
@@ -92,30 +94,48 @@ class AnyResRule(TokenRule):
     def tokens_per_tile(self) -> int:
         return self.side * self.side
 
+    @property
+    def token_pixels(self) -> int:
+        return self.tile_pixels // self.tokens_per_tile
+
+    def grid_tokens(self, pinpoint: tuple[int, int]) -> int:
+        """The most tokens an image fitted to this grid can become: the base view, the map with
+        no padding cut (or, past anyres_max_N by 10 %, what the interpolation can leave: the map
+        is at most 1.21 x N tiles' worth just under that line, N tiles' worth over it), a
+        newline per feature row."""
+        rows, cols = pinpoint[0] // self.tile * self.side, pinpoint[1] // self.tile * self.side
+        most = math.floor(1.1**2 * self.max_tiles * self.tokens_per_tile) + 1
+        return self.tokens_per_tile + min(rows * cols, most) + rows
+
     def grid_pixels(self, pinpoint: tuple[int, int]) -> int:
-        """The pixels a grid stands for in a budget: its tiles and the base view."""
-        return pinpoint[0] * pinpoint[1] + self.tile_pixels
+        """The max_pixels a grid needs to be allowed: its most tokens, in pixels."""
+        return self.grid_tokens(pinpoint) * self.token_pixels
 
     @property
     def default_max(self) -> int:
         return max(self.grid_pixels(p) for p in self.pinpoints)
 
     def pinpoints_for(self, bounds: PixelBounds | None) -> Pinpoints:
-        """The grids allowed under `bounds` (None: the model's own): those whose tiles and base
-        view fit in max_pixels; at least the smallest grid."""
+        """The grids allowed under `bounds` (None: the model's own): those whose most tokens fit
+        in max_pixels / token_pixels; at least the smallest grid."""
         if bounds is None:
             return self.pinpoints
-        allowed = tuple(p for p in self.pinpoints if self.grid_pixels(p) <= bounds.max_pixels)
-        return allowed or (min(self.pinpoints, key=self.grid_pixels),)
+        cap = bounds.max_pixels // self.token_pixels
+        allowed = tuple(p for p in self.pinpoints if self.grid_tokens(p) <= cap)
+        return allowed or (min(self.pinpoints, key=self.grid_tokens),)
+
+    def detail_max_pixels(self, tiles: int | None) -> int:
+        """max_pixels that allows every grid of at most `tiles` tiles (None: all of them)."""
+        grids = [
+            p for p in self.pinpoints if tiles is None or (p[0] // self.tile) * (p[1] // self.tile) <= tiles
+        ]
+        return max(self.grid_pixels(p) for p in grids or self.pinpoints)
 
     @property
     def token_geometry(self) -> TokenGeometry:
-        presets = tuple(
-            (level, self.default_max if tiles is None else (tiles + 1) * self.tile_pixels)
-            for level, tiles in DETAIL_TILES.items()
-        )
+        presets = tuple((level, self.detail_max_pixels(tiles)) for level, tiles in DETAIL_TILES.items())
         return TokenGeometry(
-            token_pixels=self.tile_pixels // self.tokens_per_tile,
+            token_pixels=self.token_pixels,
             default=PixelBounds(self.tile_pixels, self.default_max),
             detail_pixels=presets,
         )

@@ -46,6 +46,27 @@ def _template_text(model: str, revision: str | None) -> str | None:
     return None
 
 
+def _generation_tag() -> Any:
+    """Jinja's ``{% generation %}...{% endgeneration %}`` as transformers defines it (its
+    AssistantTracker, which marks the assistant's part for training masks): the body rendered as
+    is. Templates such as LLaVA-OneVision's use it; without it they would not parse here."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    return Generation
+
+
 def _render(template: str, messages: list[dict[str, Any]]) -> str:
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -53,7 +74,8 @@ def _render(template: str, messages: list[dict[str, Any]]) -> str:
     def raise_exception(message: str) -> None:
         raise ValueError(f"chat template error: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    extensions = [loopcontrols, _generation_tag()]
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=extensions)
     env.filters["tojson"] = lambda value, **kwargs: json.dumps(value, ensure_ascii=False, **kwargs)
     env.globals["raise_exception"] = raise_exception
     return env.from_string(template).render(messages=messages, add_generation_prompt=True)

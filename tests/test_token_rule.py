@@ -13,9 +13,22 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from ingest.anyres import AnyResRule
 from ingest.budget import PixelBounds
 from ingest.token_rules import DynamicTileRule, SmartResizeRule, TileRule, load_token_rule
 from tests.model_fixtures import FAMILIES
+
+
+def _anyres_processor_tokens(adapter, image: Image.Image, bounds: PixelBounds | None) -> int:
+    """LLaVA-OneVision: the <image> ids the whole processor writes, and the tiles it cuts. Its count
+    reads the grids from its image processor (not from the call), so a budget's grids go there."""
+    import copy
+
+    processor = copy.deepcopy(adapter.processor)
+    processor.image_processor.image_grid_pinpoints = adapter.pinpoints_for(bounds)
+    out = processor(text=[f"{processor.image_token}\nx"], images=[image], return_tensors="pt")
+    assert out["pixel_values"].shape[1] == adapter.anyres_rule.tiles(image.width, image.height, bounds)
+    return int((out["input_ids"] == processor.image_token_id).sum())
 
 
 def _processor_tokens(adapter, width: int, height: int, bounds: PixelBounds | None = None) -> int:
@@ -23,6 +36,8 @@ def _processor_tokens(adapter, width: int, height: int, bounds: PixelBounds | No
     image = Image.fromarray(np.zeros((height, width, 3), dtype=np.uint8))
     processor = adapter.processor.image_processor
     size = adapter._size_kwargs(bounds)
+    if isinstance(adapter.token_rule, AnyResRule):
+        return _anyres_processor_tokens(adapter, image, bounds)
     if isinstance(adapter.token_rule, DynamicTileRule):
         # InternVL: the whole processor (tiling on, as it sets it), the <IMG_CONTEXT> ids it writes.
         full = adapter.processor
@@ -77,7 +92,9 @@ def test_token_count_under_a_budget_matches_processor(family_adapter, width, hei
     assert family_adapter.visual_tokens(width, height, bounds) == expected
     if expected > tokens:  # only a floor overshoots the cap: one tile, one token per side, or
         rule = family_adapter.token_rule  # a small image scaled up to min_pixels (rounded up)
-        if isinstance(rule, TileRule | DynamicTileRule):
+        if isinstance(rule, AnyResRule):
+            assert len(rule.pinpoints_for(bounds)) == 1  # only the one-tile grid is left
+        elif isinstance(rule, TileRule | DynamicTileRule):
             assert tokens < rule.image_seq_len
         else:
             floor = min(rule.resized(width, height, bounds)) == rule.factor
@@ -111,6 +128,9 @@ def test_rule_from_the_json_files_alone(family_model_dir, family):
     elif family == "internvl":
         assert isinstance(rule, DynamicTileRule)
         assert (rule.tile, rule.image_seq_len, rule.min_tiles, rule.max_tiles) == (224, 64, 1, 12)
+    elif family == "llava_onevision":
+        assert isinstance(rule, AnyResRule)
+        assert (rule.tile, rule.side, len(rule.pinpoints), rule.max_tiles) == (98, 7, 36, 9)
     else:
         assert isinstance(rule, SmartResizeRule) and rule.factor == 28
 
