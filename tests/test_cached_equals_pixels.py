@@ -110,3 +110,30 @@ def test_qwen3_deepstack_reaches_the_language_model(family_model_dir):
         visual.embeds, visual.grid_thw, {"deepstack": torch.zeros_like(visual.extras["deepstack"])}
     )
     assert (last_logits([zeroed]) - pixels).abs().max() > 1e-2
+
+
+@pytest.mark.slow
+def test_internvl_one_encode_serves_every_prompt(family_model_dir):
+    """A page's tiles are encoded once and cached as one entry; every prompt over it (here in one
+    batch, as the packer sends them) gets what the pixel path gives for that prompt."""
+    from worker.models import ModelRef, load_adapter
+
+    adapter = load_adapter(ModelRef(str(family_model_dir("internvl"))))
+    image = _random_image(911, 1288, seed=11)  # an A4 page: 2x3 tiles and the thumbnail
+    (visual,) = _through_cache(adapter, [image])
+    assert visual.grid_thw.tolist() == [[1, 3, 2]] and visual.num_tokens == 7 * 64
+    prompts = ["What is the total?", "Who is the vendor?", "Describe this image."]
+    requests = [
+        EngineRequest(adapter.prompt_ids(p, visual), visual, "page", max_new_tokens=NEW_TOKENS)
+        for p in prompts
+    ]
+    outputs = make_engine("transformers", adapter).generate(requests)
+    processor, eos = adapter.processor, set(adapter.eos_token_ids)
+    for prompt, gen in zip(prompts, outputs, strict=True):
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        inputs = processor(text=[text], images=[image], return_tensors="pt")
+        assert inputs["input_ids"][0].tolist() == adapter.prompt_ids(prompt, visual)
+        with torch.inference_mode():
+            out = adapter.model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        _same_prefix(out[0, inputs["input_ids"].shape[1] :].tolist(), gen.token_ids, eos)

@@ -56,3 +56,38 @@ def test_constrained_generation_is_valid_json(tiny_adapter):
         value, error = validate_output(gen.text, SCHEMA)
         assert error is None, gen.text
         assert gen.finish_reason == "stop"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["internvl"])
+def test_constrained_generation_is_valid_json_for_tiled_families(family_model_dir, family):
+    """The same, for a family whose pages are several tiles (InternVL: up to 12 and a thumbnail):
+    a batch of pages of different tile grids, constrained and free rows mixed."""
+    import numpy as np
+    from PIL import Image
+
+    from worker.models import ModelRef, load_adapter
+
+    adapter = load_adapter(ModelRef(str(family_model_dir(family))))
+    engine = make_engine("transformers", adapter)
+    rng = np.random.default_rng(2)
+    sizes = [(448, 448), (700, 300), (300, 900)]
+    images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+    visuals = adapter.encode(images)
+    assert len({v.num_tokens for v in visuals}) == 3  # three tile grids
+    requests = [
+        EngineRequest(
+            prompt_ids=adapter.prompt_ids("Classify this document.", vt),
+            visual=vt,
+            cache_key=str(i),
+            max_new_tokens=48,
+            json_schema=SCHEMA if i != 1 else None,
+        )
+        for i, vt in enumerate(visuals)
+    ]
+    for i, gen in enumerate(engine.generate(requests)):
+        if i == 1:
+            continue
+        value, error = validate_output(gen.text, SCHEMA)
+        assert error is None, gen.text
+        assert gen.finish_reason == "stop"
