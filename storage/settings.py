@@ -183,6 +183,9 @@ class Settings:
     cache_none_ttl_seconds: int = setting(
         6 * 3600, ge=1, description="Expiry of a hot entry of a --cache none job (deleted once answered)."
     )
+    cache_compression: str = setting(
+        "none", description="Write token-cache entries compressed: none, or zstd (both kinds always read)."
+    )
     cache_hot_max_entry_bytes: int = setting(
         32 * 1024**2, ge=1, description="Entries larger than this are kept in the cold tier only."
     )

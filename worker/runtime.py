@@ -206,6 +206,12 @@ class Runtime:
     def tokens(self) -> VisualTokenStore:
         from worker.token_store import VisualTokenStore
 
+        if self.settings.cache_compression not in ("none", "zstd"):
+            from storage.settings import SettingError
+
+            raise SettingError(
+                f"VISBATCH_CACHE_COMPRESSION={self.settings.cache_compression!r}: use none or zstd"
+            )
         adapter = self.load_model()
         return VisualTokenStore(
             adapter,
@@ -213,6 +219,7 @@ class Runtime:
             self.store,
             self.settings.encode_batch_images,
             none_ttl_seconds=self.settings.cache_none_ttl_seconds,
+            compress=self.settings.cache_compression == "zstd",
         )
 
     @_LoadedOnce

@@ -54,12 +54,14 @@ class VisualTokenStore:
         batch_images: int = 8,
         *,
         none_ttl_seconds: int = DEFAULT_NONE_TTL_SECONDS,
+        compress: bool = False,
     ) -> None:
         self.adapter = adapter
         self.cache = cache
         self.store = store
         self.batch_images = max(1, batch_images)
         self.none_ttl_seconds = none_ttl_seconds
+        self.compress = compress  # write entries zstd-compressed (both kinds always read)
         self.policy = "cold"
         self.stats = EncodeStats()
         # One tower call at a time per process: a fleet worker runs encode tasks in threads.
@@ -120,7 +122,9 @@ class VisualTokenStore:
                 metrics.TOWER_IMAGES.inc(len(images))
             for key, vt in zip(chunk, tokens, strict=True):
                 if keep:
-                    self.cache.put(self.cache_key(key, bounds), vt.to_bytes(fingerprint))
+                    self.cache.put(
+                        self.cache_key(key, bounds), vt.to_bytes(fingerprint, compress=self.compress)
+                    )
             out.extend(tokens)
         return out
 

@@ -6,10 +6,14 @@
 * ``extras``: other per-token outputs of the tower that the language model needs, each
   (layers, tokens, width) (Qwen3-VL: ``deepstack``, the features its first decoder layers add).
 
-Stored as safetensors (never pickle), and checked against the model (``TokenSpec``, from the
-adapter) before anyone feeds them to an engine: a wrong shape must be a cache miss, not a
-crashed generation. Format 2 added ``extras``; a format-1 entry is a format-2 entry without
-them, so it still reads for families that need none (and is refused for those that do).
+Stored as safetensors (never pickle), optionally zstd-compressed (``compress=True``,
+``VISBATCH_CACHE_COMPRESSION=zstd``): then the entry is ``VBZ1`` + one zstd frame of the same
+safetensors bytes. A safetensors entry starts with its header's length (8 bytes, little-endian,
+far below 2**32), never with ``VBZ1``, so both kinds read, whichever setting wrote them. Checked
+against the model (``TokenSpec``, from the adapter) before anyone feeds them to an engine: a
+wrong shape must be a cache miss, not a crashed generation. Format 2 added ``extras``; a
+format-1 entry is a format-2 entry without them, so it still reads for families that need none
+(and is refused for those that do).
 """
 
 from __future__ import annotations
@@ -23,6 +27,13 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 FORMAT_VERSION = "2"
+# A compressed entry: this magic, then one zstd frame of the safetensors bytes (docs/scale.md,
+# "The token cache at scale": bf16 entries measured 44-55% smaller, zstd level 1).
+COMPRESSED_MAGIC = b"VBZ1"
+ZSTD_LEVEL = 1
+# A decompressed entry larger than this is refused unread (a frame claiming gigabytes is a bomb):
+# the largest real entry, 16,384 tokens x 8,192 wide x 4 extra layers x 4 bytes, is 2 GiB.
+MAX_ENTRY_BYTES = 4 * 1024**3
 READABLE_VERSIONS = ("1", "2")
 EXTRA_PREFIX = "extra."
 
@@ -53,12 +64,13 @@ class VisualTokens:
     def num_tokens(self) -> int:
         return int(self.embeds.shape[0])
 
-    def to_bytes(self, fingerprint: str) -> bytes:
+    def to_bytes(self, fingerprint: str, *, compress: bool = False) -> bytes:
         tensors = {"embeds": self.embeds.contiguous().cpu(), "grid_thw": self.grid_thw.to(torch.int64).cpu()}
         for name, tensor in self.extras.items():
             tensors[EXTRA_PREFIX + name] = tensor.contiguous().cpu()
         meta = {"format": FORMAT_VERSION, "fingerprint": fingerprint}
-        return save_safetensors(tensors, metadata={"visbatch": json.dumps(meta)})
+        data = save_safetensors(tensors, metadata={"visbatch": json.dumps(meta)})
+        return compress_entry(data) if compress else data
 
     def check(self, spec: TokenSpec) -> None:
         """Raise InvalidVisualTokens unless these tokens fit the model exactly."""
@@ -97,6 +109,7 @@ class VisualTokens:
     def from_bytes(cls, data: bytes, *, fingerprint: str, spec: TokenSpec) -> VisualTokens:
         """Parse and check an entry; raise InvalidVisualTokens on any mismatch."""
         try:
+            data = decompress_entry(data)
             tensors = load_safetensors(data)
             meta = _metadata(data)
         except Exception as exc:  # safetensors raises its own error types on corrupt bytes
@@ -116,6 +129,25 @@ class VisualTokens:
             raise InvalidVisualTokens(f"bad grid_thw {tuple(grid.shape)} {grid.dtype}")
         tokens.check(spec)
         return tokens
+
+
+def compress_entry(data: bytes) -> bytes:
+    import zstandard
+
+    return COMPRESSED_MAGIC + zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+
+
+def decompress_entry(data: bytes) -> bytes:
+    """The safetensors bytes of an entry, compressed or not (ValueError when it cannot be read)."""
+    if not data.startswith(COMPRESSED_MAGIC):
+        return data
+    import zstandard
+
+    frame = data[len(COMPRESSED_MAGIC) :]
+    size = zstandard.frame_content_size(frame)
+    if size < 0 or size > MAX_ENTRY_BYTES:
+        raise ValueError(f"compressed entry of unknown or excessive size ({size})")
+    return zstandard.ZstdDecompressor().decompress(frame, max_output_size=size)
 
 
 def _metadata(data: bytes) -> dict:
