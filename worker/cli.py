@@ -440,7 +440,8 @@ def model_tiny(
     family: Annotated[
         str,
         typer.Option(
-            help="qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3-vl-moe, idefics3 or internvl (or qwen3_vl, ...)."
+            help="qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3-vl-moe, idefics3, internvl or llava-onevision "
+            "(or qwen3_vl, ...)."
         ),
     ] = "qwen2_vl",
 ) -> None:

@@ -2,10 +2,10 @@
 
 `VISBATCH_ENGINE` is `vllm`, `transformers`, `openai`, or `auto` (the default): vLLM where it can
 be imported, the model runs on a GPU and vLLM can take the family's cached tokens; transformers
-everywhere else (a laptop, CI, a CPU worker, an Idefics3 model). `openai` is never picked by
-`auto`: it sends the cached tokens to a running `vllm serve` at `VISBATCH_LLM_URL`. `load` is for
-capacity tests only (fixed answers after a GPU-like delay, no model compute: load_engine.py);
-`auto` never picks it.
+everywhere else (a laptop, CI, a CPU worker, an Idefics3, InternVL or LLaVA-OneVision model).
+`openai` is never picked by `auto`: it sends the cached tokens to a running `vllm serve` at
+`VISBATCH_LLM_URL`. `load` is for capacity tests only (fixed answers after a GPU-like delay, no
+model compute: load_engine.py); `auto` never picks it.
 """
 
 from __future__ import annotations

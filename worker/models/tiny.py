@@ -1,10 +1,11 @@
 """Tiny random VLMs that build offline: what tests, the offline demo and benchmarks run.
 
 One per supported family: Qwen2-VL (the default), Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE,
-Idefics3 (worker.models.tiny_idefics3) and InternVL (worker.models.tiny_internvl). Their weights
-are random, so their outputs are meaningless text; what they prove is that every stage
-(processor, vision tower, token cache, embedding injection, packing, SQL) works with the real
-transformers classes, without the hub.
+Idefics3 (worker.models.tiny_idefics3), InternVL (worker.models.tiny_internvl) and
+LLaVA-OneVision (worker.models.tiny_llava_onevision). Their weights are random, so their
+outputs are meaningless text; what they prove is that every stage (processor, vision tower,
+token cache, embedding injection, packing, SQL) works with the real transformers classes,
+without the hub.
 """
 
 from __future__ import annotations
