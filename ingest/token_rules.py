@@ -259,6 +259,8 @@ class TileRule(TokenRule):
 # InternVL's own defaults (GotOcr2ImageProcessor, InternVLConfig), where its files leave a value out.
 DEFAULT_DYNAMIC_TILE = 448
 DEFAULT_MAX_TILES = 12
+# Max tiles (besides the thumbnail) each detail preset allows; None: the model's own max_patches.
+DYNAMIC_DETAIL_TILES: dict[str, int | None] = {"low": 1, "medium": 4, "high": None}
 
 
 def _tile_grids(min_tiles: int, max_tiles: int) -> list[tuple[int, int]]:
@@ -299,7 +301,9 @@ class DynamicTileRule(TokenRule):
     Budgets speak pixels: `max_pixels` becomes the largest max_tiles whose worst case (that many
     tiles and the thumbnail) stays within it, never more than the model's own; a single tile when
     not even two tiles and a thumbnail fit (`max_tiles_for`). `min_pixels` has no effect (the
-    processor always resizes to whole tiles).
+    processor always resizes to whole tiles). The detail presets choose max tiles too
+    (`DYNAMIC_DETAIL_TILES`): `low` one tile, `medium` up to four and the thumbnail, `high` the
+    model's own (12 and the thumbnail in the released models).
     """
 
     family: str
@@ -324,11 +328,18 @@ class DynamicTileRule(TokenRule):
         slots = bounds.max_pixels // self.tile_pixels
         return min(max(1, slots - 1) if slots >= 3 else 1, self.max_tiles)
 
+    def max_pixels_for(self, max_tiles: int | None) -> int:
+        """The max_pixels that stands for `max_tiles` (None: the model's own)."""
+        tiles = self.max_tiles if max_tiles is None else min(max_tiles, self.max_tiles)
+        return self.slots(tiles) * self.tile_pixels
+
     @property
     def token_geometry(self) -> TokenGeometry:
+        presets = tuple((level, self.max_pixels_for(tiles)) for level, tiles in DYNAMIC_DETAIL_TILES.items())
         return TokenGeometry(
             token_pixels=self.tile_pixels // self.image_seq_len,
-            default=PixelBounds(self.tile_pixels, self.slots(self.max_tiles) * self.tile_pixels),
+            default=PixelBounds(self.tile_pixels, self.max_pixels_for(None)),
+            detail_pixels=presets,
         )
 
     def tiles(self, width: int, height: int, bounds: PixelBounds | None = None) -> tuple[int, int]:

@@ -241,17 +241,24 @@ def test_internvl3_files_against_its_image_processor():
     assert rule.tiles(911, 1288) == (3, 2) and rule.visual_tokens(911, 1288) == 7 * 256
 
 
-@pytest.mark.parametrize(("detail", "max_tiles"), [("low", 1), ("medium", 1), ("high", 4)])
-def test_internvl_detail_presets_cap_the_tiles(detail, max_tiles):
-    """A preset's token cap becomes InternVL's max tiles: low (256) and medium (640) one 448-px
-    tile (two tiles and the thumbnail would be 768), high (1280) four tiles and the thumbnail."""
-    from ingest.budget import DETAIL_TOKENS, VisualBudget, job_bounds
+@pytest.mark.parametrize(("detail", "max_tiles"), [("low", 1), ("medium", 4), ("high", 12)])
+def test_internvl_detail_presets_choose_max_tiles(detail, max_tiles):
+    """A preset is InternVL's max tiles: low one 448-px tile (256 tokens), medium up to four and
+    the thumbnail (1,280 at most), high the model's own twelve and the thumbnail (the same
+    bounds, hence the same cache entries, as no preset)."""
+    from ingest.budget import VisualBudget, job_bounds
     from ingest.token_rules import rule_from_files
 
     rule = rule_from_files(INTERNVL3_CONFIG, INTERNVL3_PREPROCESSOR)
     bounds = job_bounds(VisualBudget(detail=detail), ["x"], None, rule.token_geometry)
     assert rule.max_tiles_for(bounds) == max_tiles
+    assert (bounds is None) == (detail == "high")
     for width, height in [(56, 56), (911, 1288), (1280, 720), (97, 1500), (2480, 3508)]:
         tokens = rule.visual_tokens(width, height, bounds)
-        assert tokens <= DETAIL_TOKENS[detail]
+        assert tokens <= rule.slots(max_tiles) * 256
         assert tokens <= rule.visual_tokens(width, height)  # never more than the model's own
+    # A per-frame cap under the preset still wins: 600 tokens is two slots, one tile.
+    capped = job_bounds(
+        VisualBudget(detail=detail, max_tokens_per_frame=600), ["x"], None, rule.token_geometry
+    )
+    assert rule.max_tiles_for(capped) == 1
