@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from ingest.budget import (
-    DETAIL_TOKENS,
     PixelBounds,
     TokenGeometry,
     job_bounds,
@@ -252,7 +251,9 @@ def plan_job(
         total=total,
     )
     if level is not None and spec.budget.detail == "auto":
-        result.notes.append(f"--detail auto chose {level} ({DETAIL_TOKENS[level]} tokens per image at most)")
+        # The family's own cap for the level (LLaVA-OneVision's presets are grids, not DETAIL_TOKENS).
+        most = model.geometry.detail_max_pixels(level) // model.geometry.token_pixels
+        result.notes.append(f"--detail auto chose {level} ({most} tokens per image at most)")
     if throughput is not None:
         seconds = (
             total.tokens / throughput.value
