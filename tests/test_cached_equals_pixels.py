@@ -129,6 +129,15 @@ def test_internvl_one_encode_serves_every_prompt(family_model_dir):
     ]
     outputs = make_engine("transformers", adapter).generate(requests)
     processor, eos = adapter.processor, set(adapter.eos_token_ids)
+    # The vLLM inputs kept for when vLLM takes varying sizes (worker.models.internvl): ONE
+    # <IMG_CONTEXT>, which vLLM's InternS1 expands to <img>, one id per token, </img>.
+    collapsed = adapter.vllm_prompt(requests[0].prompt_ids, visual, "page")["prompt_token_ids"]
+    at = collapsed.index(adapter.image_token_id)
+    wrapped = [processor.start_image_token_id, *[adapter.image_token_id] * visual.num_tokens]
+    assert (
+        collapsed[:at] + wrapped + [processor.end_image_token_id] + collapsed[at + 1 :]
+        == requests[0].prompt_ids
+    )
     for prompt, gen in zip(prompts, outputs, strict=True):
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
         text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
