@@ -293,3 +293,19 @@ def test_plan_equals_what_a_run_records(settings_factory, family_model_dir, tmp_
     assert plan.total.prompt_tokens == summary["prompt_tokens"]
     if detail == "low":
         assert summary["tokens"]["saved"]["detail"] > 0
+
+
+@pytest.mark.slow
+def test_the_tower_alone_encodes_what_the_whole_model_does(ov):
+    """Beside another engine (vision_only) the adapter holds the tower, the projector and the
+    newline alone, and encodes the same tokens; the language model is not kept."""
+    import torch
+
+    from worker.models import ModelRef, load_adapter
+
+    alone = load_adapter(ModelRef(ov.ref.source, dtype="float32"))
+    alone.vision_only = True
+    images = [_image(w, h, i) for i, (w, h) in enumerate(PAGES[:3])]
+    for a, b in zip(alone.encode(images), ov.encode(images), strict=True):
+        assert torch.equal(a.grid_thw, b.grid_thw) and torch.equal(a.embeds, b.embeds)
+    assert "model" not in alone.__dict__

@@ -134,7 +134,7 @@ class LlavaOnevisionAdapter(ModelAdapter):
         return model.to(self.device).eval()
 
     @cached_property
-    def vision_parts(self) -> SimpleNamespace:
+    def vision_tower(self) -> SimpleNamespace:
         """The tower, the projector and image_newline: the whole model's when it is (or will be)
         loaded for generation; else those three alone on the device (an encode worker beside
         vLLM), read through a CPU load of the checkpoint so that every published key layout
@@ -160,9 +160,9 @@ class LlavaOnevisionAdapter(ModelAdapter):
     def _features(self, pixels: torch.Tensor) -> torch.Tensor:
         """Projected tower features of a batch of tiles, as get_image_features selects them."""
         layer = self.config.vision_feature_layer
-        hidden = self.vision_parts.tower(pixels, output_hidden_states=True, return_dict=True).hidden_states
+        hidden = self.vision_tower.tower(pixels, output_hidden_states=True, return_dict=True).hidden_states
         selected = hidden[layer] if isinstance(layer, int) else torch.cat([hidden[i] for i in layer], dim=-1)
-        return self.vision_parts.projector(selected)
+        return self.vision_tower.projector(selected)
 
     @torch.inference_mode()
     def encode(self, images: list[Image.Image], bounds: PixelBounds | None = None) -> list[VisualTokens]:
@@ -187,7 +187,7 @@ class LlavaOnevisionAdapter(ModelAdapter):
             packing,  # type: ignore[arg-type]
             list(features),
             sizes,
-            image_newline=self.vision_parts.newline,
+            image_newline=self.vision_tower.newline,
             vision_aspect_ratio=self.config.vision_aspect_ratio,
         )
         out = []
