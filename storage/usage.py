@@ -3,9 +3,9 @@
 Off by default. With ``VISBATCH_USAGE_DIR`` set (storage.settings declares it; read here once,
 at import), every process that opens a database or publishes a Celery task counts:
 
-- SQL: statements by verb (an ``executemany`` is one statement: one round trip), parameter sets,
+- SQL: statements by verb and first table (an ``executemany`` is one statement), parameter sets,
   transactions committed and rolled back, rows written (the driver's rowcount of INSERT, UPDATE,
-  DELETE), connections opened;
+  DELETE), connections opened, pool checkouts (each one a pre-ping round trip on PostgreSQL);
 - Celery: messages published (``before_task_publish``) and taken to run (``task_prerun``), by task.
 
 and writes them to ``<dir>/<pid>.json``: at most twice a second from a daemon thread while they
@@ -128,6 +128,12 @@ def watch_engine(engine: Any) -> None:
     @event.listens_for(engine, "connect")
     def _connect(dbapi_connection, record) -> None:  # noqa: ANN001
         add("sql.connections")
+
+    @event.listens_for(engine, "checkout")
+    def _checkout(dbapi_connection, record, proxy) -> None:  # noqa: ANN001
+        # On PostgreSQL (pool_pre_ping) every checkout is a `SELECT 1` round trip that no
+        # statement event sees: counted here.
+        add("sql.checkouts")
 
 
 # --- Celery -----------------------------------------------------------------------------------

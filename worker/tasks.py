@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -83,6 +84,32 @@ def _live_spec(job_id: str) -> JobSpec | None:
     if state is None or state[0] in FINISHED_JOB_STATUSES:
         return None
     return JobSpec.model_validate(state[1])
+
+
+# A live job's spec, reused by generate tasks for this long: the fleet sends a message per unit,
+# and reading the job per message was a SQL transaction per page. A job stopped meanwhile loses
+# nothing by it: the generate loop looks its jobs up every second (POLL_SECONDS) and aborts their
+# requests, and storing results re-reads the jobs' states in its own transaction.
+_SPEC_TTL_S = 1.0
+_RECENT_SPECS: dict[str, tuple[float, JobSpec]] = {}
+
+
+def _recent_live_spec(job_id: str) -> JobSpec | None:
+    """`_live_spec`, read at most once per _SPEC_TTL_S per job in this process (a finished job is
+    never remembered: `visbatch resume` may reopen it)."""
+    now = time.monotonic()
+    hit = _RECENT_SPECS.get(job_id)
+    if hit is not None and now - hit[0] < _SPEC_TTL_S:
+        return hit[1]
+    spec = _live_spec(job_id)
+    if spec is None:
+        _RECENT_SPECS.pop(job_id, None)
+        return None
+    if len(_RECENT_SPECS) > 1024:  # many jobs: forget the stale ones
+        for key in [k for k, (at, _) in list(_RECENT_SPECS.items()) if now - at >= _SPEC_TTL_S]:
+            _RECENT_SPECS.pop(key, None)
+    _RECENT_SPECS[job_id] = (now, spec)
+    return spec
 
 
 class StageTask(Task):
@@ -269,7 +296,7 @@ class GenerateTask(StageTask):
 def generate_units(self: Task, job_id: str, unit_ids: list[int]) -> str:
     from worker.stages.generate import ServiceClosed
 
-    spec = _live_spec(job_id)
+    spec = _recent_live_spec(job_id)
     if spec is None:
         return "skipped: job finished"
     rt = runtime_for(spec.model)

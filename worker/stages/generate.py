@@ -135,6 +135,32 @@ class GenerateLoop:
 
     def add(self, items: list[tuple[UnitTask, JobSpec]], ticket: _Ticket | None = None) -> None:
         """Ask each unit the prompts it has no good answer to yet; all of a unit's requests together."""
+        self.add_many([(items, ticket)])
+
+    def add_many(self, batch: list[tuple[list[tuple[UnitTask, JobSpec]], _Ticket | None]]) -> None:
+        """`add` for several submissions with ONE read of the answers already stored: a fleet
+        worker gets a message per unit, and reading per message was a SQL transaction per page."""
+        fresh = sorted({
+            u.unit_id for items, _ in batch for u, _ in items
+            if u.job_id not in self._stopped and u.unit_id not in self._work
+        })  # fmt: skip
+        try:
+            answered = (
+                self.rt.retry.call(lambda: repo.answered_prompts(self.rt.db, fresh), what="reading answers")
+                if fresh
+                else {}
+            )
+        except Exception as exc:  # the database stayed away: these units are not taken
+            for _, ticket in batch:
+                if ticket is not None:
+                    ticket.fail(exc)
+            return
+        for items, ticket in batch:
+            self._add(items, ticket, answered)
+
+    def _add(
+        self, items: list[tuple[UnitTask, JobSpec]], ticket: _Ticket | None, answered: dict[int, set[int]]
+    ) -> None:
         refused = [u for u, _ in items if u.job_id in self._stopped]
         if refused and ticket is not None:
             for _ in refused:
@@ -144,15 +170,6 @@ class GenerateLoop:
         for unit, _ in items:
             if unit.unit_id in self._work and ticket is not None:  # redelivered while in flight
                 self._work[unit.unit_id].tickets.append(ticket)
-        try:
-            answered = self.rt.retry.call(
-                lambda: repo.answered_prompts(self.rt.db, [u.unit_id for u, _ in fresh]),
-                what="reading answers",
-            )
-        except Exception as exc:  # the database stayed away: these units are not taken
-            if ticket is not None:
-                ticket.fail(exc)
-            return
         for unit, spec in fresh:
             prompts = [p for p in range(len(spec.prompts)) if p not in answered.get(unit.unit_id, ())]
             work = _Work(unit, spec, waiting=len(prompts), tickets=[ticket] if ticket else [])
@@ -349,6 +366,11 @@ def _count(rows: list[tuple[str, ResultRow]], units: int) -> None:
             ).inc()
 
 
+def _requests(items: list[tuple[UnitTask, JobSpec]]) -> int:
+    """Requests a submission adds to the engine at most (a unit's prompts)."""
+    return sum(len(spec.prompts) for _, spec in items)
+
+
 class GenerateService:
     """A GenerateLoop in its own thread, fed through a thread-safe inbox."""
 
@@ -391,16 +413,27 @@ class GenerateService:
         return future
 
     def _take(self, timeout: float) -> bool:
+        """The submissions waiting in the inbox that fit the window (at least one), handed to the
+        loop together: one read of stored answers for all of them (loop.add_many)."""
         try:
-            items, ticket = self._inbox.get(timeout=timeout)
+            batch = [self._inbox.get(timeout=timeout)]
         except queue.Empty:
             return False
+        room = self.loop.window - self.loop.in_flight - _requests(batch[0][0])
+        while room > 0:
+            try:
+                batch.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+            room -= _requests(batch[-1][0])
         if self._room is not None:
-            self._room.release()
+            for _ in batch:
+                self._room.release()
         if self._aborted.is_set():
-            ticket.future.set_result(UnitsOutcome(dropped=len(items)))
+            for items, ticket in batch:
+                ticket.future.set_result(UnitsOutcome(dropped=len(items)))
         else:
-            self.loop.add(items, ticket)
+            self.loop.add_many(batch)
         return True
 
     def _run(self) -> None:
