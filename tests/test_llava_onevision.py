@@ -20,6 +20,12 @@ from ingest.anyres import DEFAULT_PINPOINTS, AnyResRule
 from ingest.budget import PixelBounds, VisualBudget, job_bounds
 from ingest.token_rules import rule_from_files
 
+# Budget: the tiny model's encode, generation from pixels and from the cache, and three embedded
+# runs (73-84 s on a busy 2-core machine, load 12, 2026-12-02).
+pytestmark = pytest.mark.budget(
+    150, reason="three embedded runs and pixel-path generations of the tiny model"
+)
+
 # llava-hf/llava-onevision-qwen2-0.5b-ov-hf's files as published (config.json, preprocessor_config.json,
 # processor_config.json): 384-px tiles of 14-px patches (27 x 27 = 729 tokens), every grid up to 6 x 6.
 PINPOINTS = [list(p) for p in DEFAULT_PINPOINTS]
@@ -221,7 +227,8 @@ def test_structured_output_and_several_prompts_over_one_image(ov):
         "additionalProperties": False,
     }
     engine = make_engine("transformers", ov)
-    visuals = _cached(ov, [_image(448, 448, 1), _image(700, 300, 2)])
+    image = _image(300, 200, 2)
+    visuals = _cached(ov, [_image(448, 448, 1), image])
     constrained = engine.generate(
         [
             EngineRequest(ov.prompt_ids("Classify.", vt), vt, str(i), max_new_tokens=48, json_schema=schema)
@@ -231,7 +238,6 @@ def test_structured_output_and_several_prompts_over_one_image(ov):
     for gen in constrained:
         assert validate_output(gen.text, schema)[1] is None, gen.text
         assert gen.finish_reason == "stop"
-    image = _image(700, 300, 2)
     prompts = ["Describe this image.", "What is the total?", "Name one colour."]
     batch = engine.generate(
         [EngineRequest(ov.prompt_ids(p, visuals[1]), visuals[1], "p", max_new_tokens=8) for p in prompts]
@@ -250,8 +256,12 @@ def test_structured_output_and_several_prompts_over_one_image(ov):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("detail", [None, "low"])
-def test_plan_equals_what_a_run_records(settings_factory, family_model_dir, tmp_path, detail):
+@pytest.mark.parametrize(
+    "budget",
+    [VisualBudget(), VisualBudget(detail="low"), VisualBudget(max_tokens_per_video=300)],
+    ids=["model-default", "low", "video-cap"],
+)
+def test_plan_equals_what_a_run_records(settings_factory, family_model_dir, tmp_path, budget):
     """`visbatch plan` on a LLaVA-OneVision model: per source, the visual and prompt tokens and the
     requests a real embedded run records (a PDF and a video; frames are encoded as images)."""
     from ingest.spec import IngestOptions, JobSpec, Sampling
@@ -270,7 +280,7 @@ def test_plan_equals_what_a_run_records(settings_factory, family_model_dir, tmp_
         prompts=["What is the total?", "Describe it."],
         sampling=Sampling(max_new_tokens=4),
         ingest=IngestOptions(),
-        budget=VisualBudget(detail=detail),
+        budget=budget,
     )
     plan = plan_job([inputs], spec, load_plan_model(str(model)), element_bytes=dtype_bytes("float32"))
     assert plan.prompt_tokens_estimated is False
@@ -291,8 +301,11 @@ def test_plan_equals_what_a_run_records(settings_factory, family_model_dir, tmp_
         assert source.prompt_tokens == sum(r["prompt_tokens"] for r in rows)
     assert plan.total.visual_tokens == summary["visual_tokens"] == summary["tokens"]["spent"]["visual"]
     assert plan.total.prompt_tokens == summary["prompt_tokens"]
-    if detail == "low":
+    if budget != VisualBudget():
         assert summary["tokens"]["saved"]["detail"] > 0
+    if budget.max_tokens_per_video:  # two 320x240 frames of 499 tokens: one tile each (89) fits 300
+        video = next(s for s in plan.sources if s.kind == "video")
+        assert video.visual_tokens <= 300 < 2 * 499
 
 
 @pytest.mark.slow
