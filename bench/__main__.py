@@ -29,6 +29,7 @@ BENCHMARKS = [
     "streaming",  # Q11
     "cpu_side",  # Q13 (Q12, vllm_window, runs in the vLLM venv: make bench-vllm)
     "cache_compression",  # Q14: zstd/lz4 on cache entries (docs/scale.md; not charted)
+    "hot_tier",  # Q15: a too-small cache Redis, and what one moves (docs/scale.md; not charted)
 ]
 
 # Run only when named (`python -m bench db_scale`): too long for the whole suite (10M rows).

@@ -17,7 +17,7 @@ generate and their tower runs twice:
     safety factor 2: Redis' LRU is sampled (an entry in use can go before an idle one), and
         allocator fragmentation and per-key overhead come on top of the values
 
-plus the generate queue's backlog (units encoded, waiting for a GPU: the `visbatch_queue_messages`
+plus the generate queue's backlog (units encoded, waiting for a GPU: the `visbatch_queue_depth_messages`
 metric) when encode runs ahead of generate.
 
 **Throughput** when none is measured: prefill-dominated FLOPs per page, 2 x LM parameters x
