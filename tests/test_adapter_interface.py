@@ -80,3 +80,24 @@ def test_prompt_ids_take_the_visual_tokens_not_a_count(tiny_adapter):
         tiny_adapter.prompt_ids("x", 5)
     text_only = tiny_adapter.prompt_ids("x", None)
     assert tiny_adapter.image_token_id not in text_only
+
+
+@pytest.mark.parametrize("engine", ["vllm", "openai"])
+def test_a_vllm_engine_for_a_family_it_cannot_run_is_refused_before_any_weight_loads(
+    engine, family_model_dir, tmp_path
+):
+    """Idefics3 (like InternVL and LLaVA-OneVision) cannot be fed cached tokens by vLLM 0.32: a
+    job asking for a vLLM engine fails at once with the family's reason and what to set instead,
+    not as an unexpected "model could not be loaded" after its weights were read."""
+    from ingest.token_rules import UnsupportedModel
+    from storage.settings import Settings
+    from worker.runtime import Runtime
+
+    rt = Runtime(Settings(home=tmp_path / "home", model=str(family_model_dir("idefics3")), engine=engine))
+    with pytest.raises(UnsupportedModel) as refused:
+        _ = rt.adapter
+    message = str(refused.value)
+    assert f"VISBATCH_ENGINE={engine} cannot run idefics3 models" in message
+    assert adapter_class("idefics3").vllm_unsupported in message
+    assert "VISBATCH_ENGINE=transformers" in message
+    assert "adapter" not in rt.__dict__  # nothing kept: the job fails as it starts

@@ -181,9 +181,17 @@ class Runtime:
         )
         with _model_errors(f"model {self.model_name}"):
             adapter = load_adapter(ref)
+            from ingest.token_rules import UnsupportedModel
             from worker.engines import resolve_engine_name
 
-            adapter.vision_only = resolve_engine_name(self.settings.engine, adapter) != "transformers"
+            engine = resolve_engine_name(self.settings.engine, adapter)
+            if engine in ("vllm", "openai") and adapter.vllm_unsupported:
+                # Said before any weight loads, as the setting's error it is (not a model fault).
+                raise UnsupportedModel(
+                    f"VISBATCH_ENGINE={engine} cannot run {adapter.family} models ({self.model_name}): "
+                    f"{adapter.vllm_unsupported}; use VISBATCH_ENGINE=transformers (or auto)"
+                )
+            adapter.vision_only = engine != "transformers"
         return adapter
 
     def load_model(self) -> ModelAdapter:
