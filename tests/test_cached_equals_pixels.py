@@ -10,6 +10,11 @@ from PIL import Image
 from worker.engines import EngineRequest, make_engine
 from worker.visual_tokens import VisualTokens
 
+# Every family (seven) generates each image twice, from pixels and from the cache, on the CPU.
+pytestmark = pytest.mark.budget(
+    300, reason="7 families x (5 sizes + 3 frames), from pixels and from cache: 266 s at load 12"
+)
+
 PROMPT = "Describe this image."
 NEW_TOKENS = 12
 
