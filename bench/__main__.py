@@ -28,6 +28,8 @@ BENCHMARKS = [
     "image_encoding",  # Q10
     "streaming",  # Q11
     "cpu_side",  # Q13 (Q12, vllm_window, runs in the vLLM venv: make bench-vllm)
+    "unit_costs",  # issue 24: what a page costs each service, counted
+    "control_plane",  # issue 24: load workers raised until a service saturates
     "cache_compression",  # Q14: zstd/lz4 on cache entries (docs/scale.md; not charted)
     "hot_tier",  # Q15: a too-small cache Redis, and what one moves (docs/scale.md; not charted)
 ]
