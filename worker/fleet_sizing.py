@@ -88,6 +88,8 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
     tower_params = float(depth * (4 * width * width + 2 * width * inner))
     if "spatial_merge_size" in vision:
         patches = int(vision["spatial_merge_size"]) ** 2
+    elif config.get("downsample_ratio"):  # InternVL: the pixel shuffle, 0.5 -> 4 patches a token
+        patches = round(1 / float(config["downsample_ratio"]) ** 2)
     else:
         patches = int(config.get("scale_factor") or 1) ** 2  # Idefics3: the pixel shuffle
     extra_layers = len(vision.get("deepstack_visual_indexes") or [])
