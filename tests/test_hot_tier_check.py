@@ -83,6 +83,17 @@ def test_no_maxmemory_and_wrong_policy_warn(servers, tmp_path) -> None:
     assert "not allkeys-lru" in (_worker_warning(noeviction, tmp_path) or "")
 
 
+def test_an_entry_over_the_hot_cap_warns(servers, tmp_path) -> None:
+    """Qwen3-VL-8B's page (1,120 tokens x 4,096 x 4 layers x bf16 = 36.7 MB) is over the default
+    32 MiB cap of a Redis entry: it would never enter the hot tier."""
+    server = servers("--maxmemory", "64gb", "--maxmemory-policy", "allkeys-lru")
+    deepstack = {**QWEN25_VL_7B["vision_config"], "deepstack_visual_indexes": [8, 16, 24]}
+    qwen3 = {**QWEN25_VL_7B, "hidden_size": 4096, "vision_config": deepstack}
+    warning = worker_hot_tier_warning(_cache(server, tmp_path), qwen3, 1120, 2, 80)
+    assert warning is not None and "is over VISBATCH_CACHE_HOT_MAX_ENTRY_BYTES" in warning
+    assert "37 MB" in warning
+
+
 def test_not_redis_or_down_is_not_checked(tmp_path, closed_port) -> None:
     folder = FolderTokenCache(tmp_path / "cache", 1024)
     assert hot_tier_warning(folder, 10**12, per_page=1, pages=1) is None

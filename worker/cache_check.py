@@ -55,6 +55,13 @@ def hot_tier_warning(cache: TokenCache, need_bytes: int, *, per_page: int, pages
     except Exception as exc:  # down or refusing: RedisTokenCache warns about it when used
         log.debug("could not read the cache Redis' memory settings: %s", exc)
         return None
+    if per_page > tier.max_entry_bytes:
+        return (
+            f"token cache Redis {tier.label}: a page's entry ({_mb(per_page)}) is over "
+            f"VISBATCH_CACHE_HOT_MAX_ENTRY_BYTES ({_mb(tier.max_entry_bytes)}), so pages never enter "
+            "Redis: generate reads them from S3 (--cache cold) or encodes them again (hot, none); "
+            "raise it (docs/scale.md)"
+        )
     sizing = (f"{pages} pages in flight x {_mb(per_page)} a page x {HOT_SAFETY_FACTOR:g} (safety) = "
               f"{_mb(need_bytes)} for this worker")  # fmt: skip
     if memory.policy and memory.policy != "allkeys-lru":
