@@ -92,6 +92,16 @@ def test_fleet_arithmetic() -> None:
         assert f.hot_bytes > 0 and f.gpus == 1
 
 
+def test_an_entry_over_the_hot_cap_is_noted() -> None:
+    def notes(cap: int) -> list[str]:
+        return fleet_figures(units=10, visual_tokens=15_180, visual_tokens_max=1518,
+                             shape=model_shape(QWEN25_VL_7B), element_bytes=2, pages_per_gpu_s=5.0,
+                             throughput_source="test", hot_max_entry_bytes=cap).notes  # fmt: skip
+
+    assert any("over VISBATCH_CACHE_HOT_MAX_ENTRY_BYTES (10.0 MB)" in n for n in notes(10_000_000))
+    assert not any("HOT_MAX_ENTRY" in n for n in notes(32 * 1024**2))
+
+
 def test_assumed_throughput_is_the_stated_formula() -> None:
     shape = model_shape(QWEN25_VL_7B)
     rate = assumed_pages_per_second(shape, 1674, 1518, 1)

@@ -198,6 +198,7 @@ def fleet_figures(
     deadline_s: float | None = None,
     pages_in_flight: int | None = None,
     prices: S3Prices | None = None,
+    hot_max_entry_bytes: int | None = None,
 ) -> FleetFigures:
     """GPUs for the deadline, hot and cold cache bytes, S3 requests and cost of a job of `units`
     pages/frames with `visual_tokens` in all.
@@ -224,6 +225,11 @@ def fleet_figures(
         notes.append("no --deadline: GPU figures for one GPU")
     if cache_policy != "cold":
         notes.append(f"--cache {cache_policy}: nothing kept in S3; a rerun encodes every page again")
+    if hot_max_entry_bytes is not None and mean > hot_max_entry_bytes:
+        notes.append(
+            f"a page's entry ({mean / 1e6:,.1f} MB) is over VISBATCH_CACHE_HOT_MAX_ENTRY_BYTES "
+            f"({hot_max_entry_bytes / 1e6:,.1f} MB): pages would skip Redis; raise it"
+        )
     notes.append("page images (PNG, stored once per distinct page) are not in the S3 bytes")
     return FleetFigures(
         cache_policy=cache_policy,

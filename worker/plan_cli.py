@@ -121,6 +121,7 @@ def plan(
         deadline_s=deadline_s,
         pages_in_flight=pages_in_flight_per_gpu(settings.generate_window, settings.encode_chunk_units),
         prices=prices,
+        hot_max_entry_bytes=settings.cache_hot_max_entry_bytes,
     )
     if as_json:
         print(json.dumps(result.as_dict(), indent=2))

@@ -187,6 +187,7 @@ def plan_job(
     deadline_s: float | None = None,
     pages_in_flight: int | None = None,
     prices: S3Prices | None = None,
+    hot_max_entry_bytes: int | None = None,
 ) -> Plan:
     limits = limits or Limits()
     max_new = spec.sampling.max_new_tokens
@@ -268,7 +269,7 @@ def plan_job(
                 result.cost_per_million_pages_usd = result.cost_usd / total.units * 1e6
     if model.shape is not None and total.units:
         result.fleet = _fleet(result, spec, model.shape, element_bytes, throughput, deadline_s,
-                              pages_in_flight, prices)  # fmt: skip
+                              pages_in_flight, prices, hot_max_entry_bytes)  # fmt: skip
     return result
 
 
@@ -281,6 +282,7 @@ def _fleet(
     deadline_s: float | None,
     pages_in_flight: int | None,
     prices: S3Prices | None,
+    hot_max_entry_bytes: int | None = None,
 ) -> FleetFigures:
     """The job at fleet scale: GPUs for the deadline, cache bytes, S3 (worker.fleet_sizing)."""
     total = plan.total
@@ -308,4 +310,5 @@ def _fleet(
         deadline_s=deadline_s,
         pages_in_flight=pages_in_flight,
         prices=prices,
+        hot_max_entry_bytes=hot_max_entry_bytes,
     )
