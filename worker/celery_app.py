@@ -21,6 +21,7 @@ from celery import Celery
 
 from storage import usage
 from storage.settings import Settings
+from worker import broker_redis
 
 QUEUES = ("ingest", "encode", "generate")
 TASKS = {
@@ -37,6 +38,10 @@ def queue_name(settings: Settings, stage: str) -> str:
 
 def is_amqp(url: str) -> bool:
     return url.split("://", 1)[0] in ("amqp", "amqps", "pyamqp")
+
+
+def is_plain_redis(url: str) -> bool:
+    return url.split("://", 1)[0] == "redis"
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -73,6 +78,8 @@ def make_celery(settings: Settings) -> Celery:
         task_time_limit=settings.task_time_limit,
         task_soft_time_limit=max(1, int(settings.task_time_limit * 0.9)),
         broker_transport_options=transport,
+        # redis:// gets kombu's transport with its broker-restart crash fixed (worker.broker_redis).
+        **({"broker_transport": broker_redis.TRANSPORT} if is_plain_redis(settings.broker_url) else {}),
         broker_connection_retry_on_startup=True,
         task_default_queue=queue_name(settings, "ingest"),
         task_routes={task: {"queue": queue_name(settings, stage)} for stage, task in TASKS.items()},
