@@ -44,6 +44,13 @@ REQUEST_TOKENS = 1650  # ~1,518 visual tokens (7B, 1288-px page) + a prompt + ne
 TOKENS_PER_S = 20_000.0  # one emulated GPU (the planner's stated assumption, docs/budget.md)
 STEP_SECONDS = 40.0
 DOCS = 4  # PDFs per job: the ingest worker's two processes split them
+MAX_PAGES = 4000
+
+
+def speed() -> float:
+    """How many times faster than one GPU each load worker runs in this step (CP_SPEED): the
+    cheap way past the worker processes this small machine can hold."""
+    return float(os.environ.get("CP_SPEED", "1"))
 
 
 def gpu_pages_per_s() -> float:
@@ -121,8 +128,9 @@ def run_step(step: Step, client: Any, engine: Any, spec: Any, pdf_dir: Path) -> 
 
     from worker.submit import submit_job
 
-    ideal = step.n * gpu_pages_per_s()
-    pages = int(max(120, ideal * STEP_SECONDS) // DOCS) * DOCS
+    ideal = step.n * gpu_pages_per_s() * speed()
+    # At most MAX_PAGES: at the fastest steps the job is shorter, not the ingest queue longer.
+    pages = int(min(MAX_PAGES, max(120, ideal * STEP_SECONDS)) // DOCS) * DOCS
     paths = [make_pdf(pdf_dir / f"{step.broker}-{step.n}-{d}-{uuid.uuid4().hex[:6]}.pdf", pages // DOCS)
              for d in range(DOCS)]  # fmt: skip
     step.start("ingest", ["--concurrency", "2"])
@@ -172,6 +180,8 @@ def run_step(step: Step, client: Any, engine: Any, spec: Any, pdf_dir: Path) -> 
     return {
         "broker": step.broker,
         "workers": step.n,
+        "speed": speed(),
+        "emulated_gpus": step.n * speed(),
         "ideal_pages_per_s": rounded(ideal),
         "pages": total,
         "wall_s": round(wall, 1),
@@ -287,7 +297,7 @@ def _depth_growth(samples: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 
 def run_broker(
-    broker: str, counts: list[int], work: Path, database_url: str, model: Path
+    broker: str, counts: list[tuple[int, float]], work: Path, database_url: str, model: Path
 ) -> list[dict[str, Any]]:
     from sqlalchemy import create_engine
     from sqlalchemy.engine import make_url
@@ -330,11 +340,11 @@ def run_broker(
         "print('RESULT'+json.dumps(_child(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3])))"
     )
     try:
-        for n in counts:
-            print(f"== {broker}: {n} load worker(s)", flush=True)
+        for n, fast in counts:
+            print(f"== {broker}: {n} load worker(s), each {fast:g} GPU(s)", flush=True)
             done = subprocess.run(
                 [sys.executable, "-c", code, broker, str(n), str(work)],
-                env={**env, "CP_SERVICES": _service_pids(services)},
+                env={**env, "CP_SERVICES": _service_pids(services), "CP_SPEED": str(fast)},
                 capture_output=True, text=True, check=False,
             )  # fmt: skip
             lines_ = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT")]
@@ -401,6 +411,7 @@ def _child(broker: str, n: int, work: str) -> dict[str, Any]:
     services["admin"] = create_engine(url.split("?")[0])
     engine = create_engine(url)  # the bench's own probe: not counted (not storage.db.Database)
     env = dict(os.environ)
+    env["VISBATCH_LOAD_TOKENS_PER_S"] = str(TOKENS_PER_S * speed())
     step = Step(broker, n, env, Path(work), services)
     spec = JobSpec(prompts=["What is the total?"], sampling=Sampling(max_new_tokens=8),
                    ingest=IngestOptions(longest_side=280))  # fmt: skip
@@ -431,10 +442,14 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="1 and 2 workers only, Redis broker only")
-    parser.add_argument("--workers", default="1,2,4,8", help="the worker counts to step through")
+    parser.add_argument(
+        "--steps", default="1,4,8,8x3",
+        help="steps: N load workers, or NxS: N workers each emulating S GPUs (a faster one)",
+    )  # fmt: skip
     parser.add_argument("--brokers", default="redis,rabbitmq")
     args = parser.parse_args()
-    counts = [1, 2] if args.quick else [int(x) for x in args.workers.split(",")]
+    raw = "1,2" if args.quick else args.steps
+    counts = [(int(n), float(f or 1)) for n, _, f in (x.partition("x") for x in raw.split(","))]
     brokers = ["redis"] if args.quick else [b.strip() for b in args.brokers.split(",")]
     from bench.models import bench_model
     from bench.results_db import scratch_schema
@@ -464,9 +479,9 @@ def main() -> None:
                            for b, steps in results.items()},
                  "summary": summary, "request_tokens": REQUEST_TOKENS, "gpu_tokens_per_s": TOKENS_PER_S},
         chart=lines(
-            [{"label": b, "x": [s["workers"] for s in steps], "y": [s["pages_per_s"] for s in steps]}
+            [{"label": b, "x": [s["emulated_gpus"] for s in steps], "y": [s["pages_per_s"] for s in steps]}
              for b, steps in results.items()],
-            "load workers (emulated GPUs)", "pages/s", "Control plane: pages/s vs workers",
+            "emulated GPUs (load workers x speed)", "pages/s", "Control plane: pages/s vs workers",
         ),
         notes=["2 cores shared by every service, worker and other user of this machine: "
                "see cpu_s_per_1000_pages"],
@@ -484,7 +499,8 @@ def _verdict(steps: list[dict[str, Any]]) -> dict[str, Any]:
     busy = at["machine_busy_share"]
     if saturated is None:
         efficiency = at["efficiency"]
-        first = f"nothing yet at {at['workers']} workers (efficiency {efficiency:.2f}, {busy:.0%} busy)"
+        gpus = at["emulated_gpus"]
+        first = f"nothing yet at {gpus:g} emulated GPUs (efficiency {efficiency:.2f}, {busy:.0%} busy)"
     elif busy >= 0.9:
         first = f"the machine's 2 cores ({busy:.0%} busy); busiest: {top} ({services[top]:.2f} core)"
     else:
