@@ -285,7 +285,7 @@ ROWS = [
     ("SQL transactions (commits)", "usage", "sql.commits"),
     ("SQL rows written", "usage", "sql.rows_written"),
     ("SQL connections opened", "usage", "sql.connections"),
-    ("SQL pool checkouts (PostgreSQL: a pre-ping each)", "usage", "sql.checkouts"),
+    ("SQL pool checkouts (pre-pings)", "usage", "sql.checkouts"),
     ("cache Redis commands", "cache", "redis.commands"),
     ("cache Redis bytes in+out", "cache", "redis.bytes"),
     ("S3 requests", "s3", "s3.requests"),
