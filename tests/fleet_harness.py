@@ -20,6 +20,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from storage.db import Database
+from worker.supervisor import die_with_parent
 
 REDIS_URL = os.environ.get("VISBATCH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 VISBATCH = str(Path(sys.executable).with_name("visbatch"))
@@ -77,6 +78,8 @@ class Fleet:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # A test run killed (a timeout, Ctrl-C twice) takes its workers with it.
+            preexec_fn=die_with_parent,  # noqa: PLW1509
         )
         self.workers.append(proc)
         return proc

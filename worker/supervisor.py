@@ -64,8 +64,9 @@ def shell_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the supervisor dies, however it dies (Linux)."""
+def die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when its parent dies, however it dies (Linux; the
+    parent is the thread that started it, so start long-lived children from the main thread)."""
     import ctypes
 
     with contextlib.suppress(OSError, AttributeError):
@@ -104,7 +105,7 @@ class Supervisor:
         quick_exits = 0
         while not self.stopping.is_set():
             started = time.monotonic()
-            self.child = subprocess.Popen(self.argv, env=self.env, preexec_fn=_die_with_parent)  # noqa: PLW1509
+            self.child = subprocess.Popen(self.argv, env=self.env, preexec_fn=die_with_parent)  # noqa: PLW1509
             log.info("worker process %d started", self.child.pid)
             if self.stopping.is_set():  # a signal between the start and the line above
                 self.child.send_signal(signal.SIGTERM)
