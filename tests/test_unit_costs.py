@@ -1,15 +1,17 @@
 """What a page costs the database, counted (issue 24): the per-message reads of the generate stage.
 
-The fleet sends one generate message per unit. Each message used to cost two transactions of
-its own before the engine saw it: the job's spec (is it still live?) and the answers already
-stored for the unit. Both are now shared: the answers are read once for every submission waiting
-in the generate service's inbox (GenerateLoop.add_many), and a generate task reuses a live job's
-spec for a second. These tests count the statements with storage.usage (SQLAlchemy engine events,
-what bench/unit_costs.py sums over processes) on a real SQLite database and the tiny model.
+The fleet sends one generate message per unit. Each message used to cost three transactions of
+its own before the engine saw it: the job's spec (is it still live?), the unit's row and the
+answers already stored for the unit. All are now shared: the units and the answers are read once
+for every message waiting in the generate service's inbox (GenerateLoop.add_many), and a generate
+task reuses a live job's spec for a second. These tests count the statements with storage.usage
+(SQLAlchemy engine events, what bench/unit_costs.py sums over processes) on a real SQLite
+database and the tiny model.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from tests.media import write_pdf
 from worker.embedded import start_local_job
 from worker.runtime import Runtime
 from worker.stages.encode import encode_units
-from worker.stages.generate import GenerateLoop
+from worker.stages.generate import GenerateLoop, UnitIds, UnitsOutcome, _Ticket
 from worker.stages.ingest import ingest_source
 
 pytestmark = pytest.mark.slow
@@ -54,32 +56,36 @@ def _encoded_units(rt: Runtime, folder: Path):
     return job_id, units
 
 
-def test_one_read_of_stored_answers_for_every_waiting_message(counting, settings_factory, tmp_path):
+def test_one_read_of_units_and_answers_for_every_waiting_message(counting, settings_factory, tmp_path):
     rt = Runtime(settings_factory(engine="load", load_tokens_per_s=1e7))
     job_id, units = _encoded_units(rt, tmp_path / "in")
-    reads = "sql.by_table.select results"
+    answers, rows = "sql.by_table.select results", "sql.by_table.select units"
 
-    # As before the fix: one submission (a fleet message) at a time, one read each.
+    # As before the fix: one submission (a fleet message) at a time, one read of answers each.
     one_by_one = GenerateLoop(rt)
-    before = counting(reads)
-    for unit in units[:3]:
+    before = counting(answers)
+    for unit in units[:2]:
         one_by_one.add([(unit, SPEC)])
-    assert counting(reads) - before == 3
+    assert counting(answers) - before == 2
     one_by_one.run_until_idle()
 
-    # What the generate service now does with the messages waiting in its inbox: one read.
+    # What the generate service now does with the messages waiting in its inbox: they name their
+    # units by id, and one read of units and one of answers serve them all. The last message is
+    # a redelivery of a unit already done: nothing to do, settled at once.
     batched = GenerateLoop(rt)
-    before = counting(reads)
-    batched.add_many([([(unit, SPEC)], None) for unit in units[3:]])
-    assert counting(reads) - before == 1
+    messages = [UnitIds([u.unit_id], SPEC) for u in units[2:]] + [UnitIds([units[0].unit_id], SPEC)]
+    tickets = [_Ticket(Future(), left=1) for _ in messages]
+    before = {key: counting(key) for key in (answers, rows)}
+    batched.add_many(list(zip(messages, tickets, strict=True)))
+    assert {key: counting(key) - before[key] for key in (answers, rows)} == {answers: 1, rows: 1}
+    assert tickets[-1].future.result(timeout=0) == UnitsOutcome()
     batched.run_until_idle()
+    assert [t.future.result(timeout=0) for t in tickets[:-1]] == [UnitsOutcome(stored=1)] * (PAGES - 2)
 
     summary = repo.job_summary(rt.db, job_id)
     assert summary["results"] == PAGES * len(SPEC.prompts)  # every unit answered, none twice
-    assert (
-        sorted(len(v) for v in repo.answered_prompts(rt.db, [u.unit_id for u in units]).values())
-        == [2] * PAGES
-    )
+    answered = repo.answered_prompts(rt.db, [u.unit_id for u in units])
+    assert sorted(len(v) for v in answered.values()) == [2] * PAGES
     rt.close()
 
 

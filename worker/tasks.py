@@ -294,14 +294,14 @@ class GenerateTask(StageTask):
 @app.task(base=GenerateTask, bind=True, name="visbatch.generate_units")
 @retrying
 def generate_units(self: Task, job_id: str, unit_ids: list[int]) -> str:
-    from worker.stages.generate import ServiceClosed
+    from worker.stages.generate import ServiceClosed, UnitIds
 
     spec = _recent_live_spec(job_id)
     if spec is None:
         return "skipped: job finished"
     rt = runtime_for(spec.model)
-    units = repo.units_by_ids(rt.db, unit_ids, UnitStatus.ENCODED)
-    future: Future = _service(rt).submit([(u, spec) for u in units])  # type: ignore[attr-defined]
+    # The service reads the units still encoded together with the other messages waiting for it.
+    future: Future = _service(rt).submit(UnitIds(unit_ids, spec))  # type: ignore[attr-defined]
     try:
         outcome = future.result()
     except ServiceClosed as exc:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from ingest.spec import JobSpec
 from storage import repository as repo
+from storage.models import UnitStatus
 from storage.rows import ResultRow, UnitTask
 from worker import metrics
 from worker.request_builder import Prepared
@@ -57,6 +58,20 @@ class UnitsOutcome:
 
 class ServiceClosed(RuntimeError):
     """The service stopped (the worker is shutting down) before these units were answered."""
+
+
+@dataclass(frozen=True)
+class UnitIds:
+    """Units named by id (a fleet message): read, still encoded, with the batch they arrive in."""
+
+    unit_ids: list[int]
+    spec: JobSpec
+
+
+# What `GenerateLoop.add_many` takes: units (with their job's spec) or their ids, and the ticket
+# whose Future their submitter waits on.
+Submission = tuple["list[tuple[UnitTask, JobSpec]] | UnitIds", "_Ticket | None"]
+_WithUnits = tuple[list[tuple[UnitTask, JobSpec]], "_Ticket | None"]
 
 
 @dataclass
@@ -137,9 +152,11 @@ class GenerateLoop:
         """Ask each unit the prompts it has no good answer to yet; all of a unit's requests together."""
         self.add_many([(items, ticket)])
 
-    def add_many(self, batch: list[tuple[list[tuple[UnitTask, JobSpec]], _Ticket | None]]) -> None:
-        """`add` for several submissions with ONE read of the answers already stored: a fleet
-        worker gets a message per unit, and reading per message was a SQL transaction per page."""
+    def add_many(self, batch: list[Submission]) -> None:
+        """`add` for several submissions with ONE read of their units (those named by id) and ONE
+        of the answers already stored: a fleet worker gets a message per unit, and reading per
+        message was two SQL transactions per page."""
+        batch = self._read_units(batch)
         fresh = sorted({
             u.unit_id for items, _ in batch for u, _ in items
             if u.job_id not in self._stopped and u.unit_id not in self._work
@@ -157,6 +174,41 @@ class GenerateLoop:
             return
         for items, ticket in batch:
             self._add(items, ticket, answered)
+
+    def _read_units(
+        self, batch: list[Submission]
+    ) -> list[tuple[list[tuple[UnitTask, JobSpec]], _Ticket | None]]:
+        """The submissions with their units: those named by id read in one query, still encoded
+        (a redelivered message's units already done are left out; a submission left with none is
+        settled at once)."""
+        named = sorted({i for req, _ in batch if isinstance(req, UnitIds) for i in req.unit_ids})
+        units: dict[int, UnitTask] = {}
+        error: Exception | None = None
+        if named:
+            try:
+                read = self.rt.retry.call(
+                    lambda: repo.units_by_ids(self.rt.db, named, UnitStatus.ENCODED), what="reading units"
+                )
+                units = {u.unit_id: u for u in read}
+            except Exception as exc:  # the database stayed away: these submitters hear why
+                error = exc
+        out: list[_WithUnits] = []
+        for req, ticket in batch:
+            if not isinstance(req, UnitIds):
+                out.append((req, ticket))
+                continue
+            if error is not None:
+                if ticket is not None:
+                    ticket.fail(error)
+                continue
+            items = [(units[i], req.spec) for i in dict.fromkeys(req.unit_ids) if i in units]
+            if ticket is not None:
+                ticket.left = len(items)
+                if not items and not ticket.future.done():
+                    ticket.future.set_result(UnitsOutcome())
+            if items:
+                out.append((items, ticket))
+        return out
 
     def _add(
         self, items: list[tuple[UnitTask, JobSpec]], ticket: _Ticket | None, answered: dict[int, set[int]]
@@ -366,9 +418,15 @@ def _count(rows: list[tuple[str, ResultRow]], units: int) -> None:
             ).inc()
 
 
-def _requests(items: list[tuple[UnitTask, JobSpec]]) -> int:
+def _requests(items: list[tuple[UnitTask, JobSpec]] | UnitIds) -> int:
     """Requests a submission adds to the engine at most (a unit's prompts)."""
+    if isinstance(items, UnitIds):
+        return len(items.unit_ids) * len(items.spec.prompts)
     return sum(len(spec.prompts) for _, spec in items)
+
+
+def _size(items: list[tuple[UnitTask, JobSpec]] | UnitIds) -> int:
+    return len(items.unit_ids) if isinstance(items, UnitIds) else len(items)
 
 
 class GenerateService:
@@ -392,14 +450,16 @@ class GenerateService:
         self._thread = threading.Thread(target=self._run, name="generate", daemon=True)
         self._thread.start()
 
-    def submit(self, items: list[tuple[UnitTask, JobSpec]]) -> Future:
-        """Units to answer; the Future gives a UnitsOutcome once all are stored (or dropped)."""
+    def submit(self, items: list[tuple[UnitTask, JobSpec]] | UnitIds) -> Future:
+        """Units to answer, or their ids (read with the batch they arrive in, those still encoded);
+        the Future gives a UnitsOutcome once all are stored (or dropped)."""
         future: Future = Future()
-        if not items:
+        size = _size(items)
+        if not size:
             future.set_result(UnitsOutcome())
             return future
         if self._aborted.is_set():
-            future.set_result(UnitsOutcome(dropped=len(items)))
+            future.set_result(UnitsOutcome(dropped=size))
             return future
         if self._closing.is_set():
             future.set_exception(ServiceClosed("the generate service is closed"))
@@ -409,7 +469,7 @@ class GenerateService:
                 if self._closing.is_set():
                     future.set_exception(ServiceClosed("the generate service is closed"))
                     return future
-        self._inbox.put((items, _Ticket(future, left=len(items))))
+        self._inbox.put((items, _Ticket(future, left=size)))
         return future
 
     def _take(self, timeout: float) -> bool:
@@ -431,7 +491,7 @@ class GenerateService:
                 self._room.release()
         if self._aborted.is_set():
             for items, ticket in batch:
-                ticket.future.set_result(UnitsOutcome(dropped=len(items)))
+                ticket.future.set_result(UnitsOutcome(dropped=_size(items)))
         else:
             self.loop.add_many(batch)
         return True
