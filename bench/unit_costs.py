@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -120,6 +121,7 @@ def run_arm(arm: str, quick: bool, out: Path) -> None:
             for service in services:
                 service.close()
     out.write_text(json.dumps(figures))
+    shutil.rmtree(work, ignore_errors=True)  # kept only when the arm failed (its worker logs)
 
 
 class _Snapshot:
