@@ -508,7 +508,7 @@ def explain_status(url: str, job: str) -> dict[str, list[str]]:
     from sqlalchemy import func, select
 
     from storage.db import Database
-    from storage.jobs import _errors_select, _result_totals  # noqa: F401 - the statements timed
+    from storage.jobs import _errors_select
     from storage.models import RESULTS
 
     db = Database(url)

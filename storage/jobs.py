@@ -77,6 +77,7 @@ class _Tally:
     results_failed: int
     prompt_tokens: int
     completion_tokens: int
+    sums: Any  # storage.token_report.ResultSums: the one pass over the results
 
 
 def _tally(session: Connection, job_id: str) -> _Tally:
@@ -103,20 +104,10 @@ def _tally(session: Connection, job_id: str) -> _Tally:
         tokens += int(status_tokens)
         hits += int(status_hits)
         misses += int(status_misses)
-    total, failed, prompt, completion = _result_totals(session, job_id)
-    return _Tally(sources, units, tokens, hits, misses, total, failed, prompt, completion)
+    from storage.token_report import result_sums  # beside the tables it reads
 
-
-def _result_totals(session: Connection, job_id: str) -> tuple[int, int, int, int]:
-    """(results, of which failed, prompt tokens, completion tokens) of a job."""
-    stmt = select(
-        func.count(),
-        func.count(RESULTS.c.error),
-        func.coalesce(func.sum(RESULTS.c.prompt_tokens), 0),
-        func.coalesce(func.sum(RESULTS.c.completion_tokens), 0),
-    ).where(RESULTS.c.job_id == job_id)
-    total, failed, prompt, completion = session.execute(stmt).one()
-    return int(total), int(failed), int(prompt), int(completion)
+    r = result_sums(session, job_id)
+    return _Tally(sources, units, tokens, hits, misses, r.total, r.failed, r.prompt, r.completion, r)
 
 
 def _final_status(current: str, tally: _Tally) -> str:
@@ -151,7 +142,7 @@ def close_job(db: Database, job_id: str) -> str:
 
         values: dict[str, Any] = {
             # Counted once here: `status` of a finished job reads it instead of every result again.
-            "tokens": token_report(session, job_id),
+            "tokens": token_report(session, job_id, tally.sums),
             "status": status,
             "finished_at": func.coalesce(JOBS.c.finished_at, now_param()),
             "sources_total": sum(tally.sources.values()),
@@ -324,9 +315,10 @@ def job_totals(session: Connection, job: Any) -> tuple[int, int, int, int, dict[
     report = closed_report(job)
     if report is not None:
         return job.results_total, job.results_failed, job.prompt_tokens, job.completion_tokens, report
-    from storage.token_report import token_report  # beside the tables it reads
+    from storage.token_report import result_sums, token_report  # beside the tables it reads
 
-    return (*_result_totals(session, job.id), token_report(session, job.id))
+    sums = result_sums(session, job.id)  # one pass over the results for the totals and the report
+    return sums.total, sums.failed, sums.prompt, sums.completion, token_report(session, job.id, sums)
 
 
 def _seconds_between(start: datetime | None, end: datetime | None) -> float | None:

@@ -17,6 +17,7 @@ the model's own bounds with every frame kept.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Connection, case, false, func, select, true
@@ -26,7 +27,37 @@ from storage.models import RESULTS, UNITS, UnitStatus
 _SPENDING = (UnitStatus.PENDING.value, UnitStatus.ENCODED.value, UnitStatus.DONE.value)
 
 
-def token_report(session: Connection, job_id: str) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class ResultSums:
+    """A job's results summed in one pass: what `status` shows and the token report's share."""
+
+    total: int
+    failed: int
+    to_lm: int
+    pruned: int
+    merged: int
+    prompt: int
+    completion: int
+
+
+def result_sums(session: Connection, job_id: str) -> ResultSums:
+    """One aggregate over the job's results (at 10 million rows each pass is seconds: status of a
+    running job makes one, not two; docs/scale.md)."""
+    r = RESULTS.c
+    stmt = select(
+        func.count(),
+        func.count(r.error),
+        func.coalesce(func.sum(r.visual_tokens - r.pruned_tokens - r.merged_tokens), 0),
+        func.coalesce(func.sum(r.pruned_tokens), 0),
+        func.coalesce(func.sum(r.merged_tokens), 0),
+        func.coalesce(func.sum(r.prompt_tokens), 0),
+        func.coalesce(func.sum(r.completion_tokens), 0),
+    ).where(r.job_id == job_id)
+    return ResultSums(*(int(v) for v in session.execute(stmt).one()))
+
+
+def token_report(session: Connection, job_id: str, sums: ResultSums | None = None) -> dict[str, Any]:
+    """The report; ``sums``: the job's result_sums when the caller has them already."""
     u = UNITS.c
     spending = u.status.in_(_SPENDING)
     skipped = u.status == UnitStatus.SKIPPED.value
@@ -53,15 +84,14 @@ def token_report(session: Connection, job_id: str) -> dict[str, Any]:
         .subquery()
     )
     distinct, with_key = session.execute(select(func.count(), func.coalesce(func.sum(encoded.c.n), 0))).one()
-    r = RESULTS.c
-    results_stmt = select(
-        func.coalesce(func.sum(r.visual_tokens - r.pruned_tokens - r.merged_tokens), 0),
-        func.coalesce(func.sum(r.pruned_tokens), 0),
-        func.coalesce(func.sum(r.merged_tokens), 0),
-        func.coalesce(func.sum(r.prompt_tokens), 0),
-        func.coalesce(func.sum(r.completion_tokens), 0),
-    ).where(r.job_id == job_id)
-    to_lm, pruned, merged, prompt, completion = (int(v) for v in session.execute(results_stmt).one())
+    sums = sums or result_sums(session, job_id)
+    to_lm, pruned, merged, prompt, completion = (
+        sums.to_lm,
+        sums.pruned,
+        sums.merged,
+        sums.prompt,
+        sums.completion,
+    )
     return {
         "spent": {"visual": spent_visual, "visual_to_lm": to_lm, "prompt": prompt, "completion": completion},
         "saved": {
