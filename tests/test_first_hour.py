@@ -481,7 +481,9 @@ def test_16_run_submit_and_plan_declare_the_same_job_options():
     shared = set(run) & set(submit) & set(plan)
     assert set(run) - shared == {"metrics_port"}, set(run) ^ shared  # the job options, and its metrics
     assert set(submit) - shared == {"wait"}
-    assert set(plan) - shared == {"throughput", "gpu_cost_per_hour", "as_json"}
+    # plan's own: the fleet it sizes (deadline, throughput, prices) and its JSON output
+    fleet = {"deadline", "throughput", "gpu_cost_per_hour", "s3_gb_month", "s3_get_1000", "s3_put_1000"}
+    assert set(plan) - shared == fleet | {"as_json"}
     for name in shared - {"prompt"}:
         assert run[name] == submit[name] == plan[name], name  # one declaration: same flags and help
     assert set(ingest) == {o.name for o in (*INPUT_OPTIONS, *MODEL_OPTIONS, *INGEST_OPTIONS)} | {
