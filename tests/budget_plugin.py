@@ -27,6 +27,7 @@ import pytest
 DEFAULT_BUDGET_S = 90.0
 ENV = "VISBATCH_MODULE_BUDGET_S"
 SESSION_SETUP = "visbatch_session_fixture_setup_s"
+ALLOWED = "visbatch_module_budget"  # (seconds, reason) of a module's pytest.mark.budget
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -87,9 +88,15 @@ class ModuleBudget:
         # The session fixtures' time rides on the setup report, so that it is subtracted where the
         # reports are summed: in this process, or in xdist's controller (which sets up no fixture).
         outcome = yield
-        if call.when == "setup" and self.pending_session_setup:
-            outcome.get_result().user_properties.append((SESSION_SETUP, self.pending_session_setup))
+        if call.when != "setup":
+            return
+        report = outcome.get_result()
+        if self.pending_session_setup:
+            report.user_properties.append((SESSION_SETUP, self.pending_session_setup))
             self.pending_session_setup = 0.0
+        module = _module_of(item.nodeid)
+        if module in self.allowed:  # xdist's controller collects nothing: it learns budgets here
+            report.user_properties.append((ALLOWED, self.allowed[module]))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         module = _module_of(report.nodeid)
@@ -97,6 +104,9 @@ class ModuleBudget:
         for name, value in report.user_properties:
             if name == SESSION_SETUP:
                 self.session_setup[module] += float(value)
+            elif name == ALLOWED:
+                seconds, reason = value
+                self.allowed[module] = (float(seconds), str(reason))
 
     def budget_of(self, module: str) -> float:
         return self.allowed.get(module, (self.default_s, ""))[0]

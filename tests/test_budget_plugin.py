@@ -110,8 +110,11 @@ def test_under_xdist_the_controller_judges_and_session_fixtures_are_not_charged(
     pytester.makeconftest(
         "import time, pytest\n\n@pytest.fixture(scope='session')\ndef service():\n    time.sleep(0.6)\n"
     )
+    allowed = "import pytest\npytestmark = pytest.mark.budget(5, reason='sleeps on purpose')"
     pytester.makepyfile(
-        test_first="def test_uses_it(service):\n    pass\n", test_sleepy=SLEEPY.format(mark="")
+        test_first="def test_uses_it(service):\n    pass\n",
+        test_sleepy=SLEEPY.format(mark=""),
+        test_allowed=SLEEPY.format(mark=allowed),
     )
     pytester.makeini("[pytest]\nmodule_budget_s = 0.3\n")
     root = str(Path(__file__).resolve().parents[1])  # the subprocess imports tests.budget_plugin from here
@@ -120,9 +123,10 @@ def test_under_xdist_the_controller_judges_and_session_fixtures_are_not_charged(
         "-p", "tests.budget_plugin", "-p", "no:hypothesispytest", "-p", "no:anyio",
         "-n", "2", "--dist", "loadfile", "--durations=1",
     )  # fmt: skip
-    result.assert_outcomes(passed=3)
+    result.assert_outcomes(passed=5)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     out = result.stdout.str()
     assert out.count("test_sleepy.py took 0.5 s, over its budget of 0.3 s") == 1, out
     assert "test_first.py took" not in out
+    assert "test_allowed.py took" not in out  # its declared budget reached the controller
     result.stdout.fnmatch_lines(["*slowest 10 test modules*", "*test_sleepy.py"])
