@@ -312,8 +312,9 @@ class Settings:
     encode_chunk_units: int = setting(16, ge=1, description="Units per encode task.")
     # Capacity tests only (bench/unit_costs.py, bench/control_plane.py): read once by storage.usage.
     usage_dir: Path | None = setting(
-        None, description="Capacity tests only: count SQL statements and task messages per process "
-        "into <dir>/<pid>.json (off when unset)."
+        None,
+        description="Capacity tests only: count SQL statements and task messages per process "
+        "into <dir>/<pid>.json (off when unset).",
     )
 
     def __init__(self, **values: Any) -> None:
