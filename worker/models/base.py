@@ -17,6 +17,7 @@ import hashlib
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -107,25 +108,49 @@ class ModelAdapter(ABC):
     def cache_key(self, image_hash: str, bounds: PixelBounds | None = None) -> str:
         return hashlib.sha256(f"{image_hash}:{self.fingerprint_for(bounds)}".encode()).hexdigest()
 
-    # --- weights -----------------------------------------------------------------------
+    # --- weights: what every family reads the same way from its transformers checkpoint ------
+
+    # The transformers class of the whole VLM (e.g. "Qwen2VLForConditionalGeneration").
+    model_class_name: str = ""
+
+    @cached_property
+    def processor(self) -> Any:
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(self.ref.source, revision=self.ref.revision)
+
+    @cached_property
+    def config(self) -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.ref.source, revision=self.ref.revision)
 
     @property
+    def hidden_size(self) -> int:
+        return int(self.config.text_config.hidden_size)
+
     @abstractmethod
-    def hidden_size(self) -> int: ...
+    def tokens_for_grid(self, grid: torch.Tensor) -> int:
+        """Visual tokens of a cached layout (`VisualTokens.grid_thw`); ValueError for a layout
+        this family cannot make."""
 
     @property
-    @abstractmethod
     def token_spec(self) -> TokenSpec:
         """What this model's visual tokens must look like (layout -> count, hidden size, extras)."""
+        return TokenSpec(hidden_size=self.hidden_size, dtype=self.dtype, tokens_for_grid=self.tokens_for_grid)
 
     @property
-    @abstractmethod
-    def tokenizer(self) -> Any: ...
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
 
-    @property
-    @abstractmethod
+    @cached_property
     def model(self) -> torch.nn.Module:
         """The whole VLM, loaded on first use and kept for the life of the process."""
+        import transformers
+
+        cls = getattr(transformers, self.model_class_name)
+        model = cls.from_pretrained(self.ref.source, revision=self.ref.revision, dtype=self.dtype)
+        return model.to(self.device).eval()
 
     @abstractmethod
     def encode(self, images: list[Image.Image], bounds: PixelBounds | None = None) -> list[VisualTokens]:
@@ -149,14 +174,25 @@ class ModelAdapter(ABC):
     def template_ids(self, prompt: str, visual: VisualTokens | None) -> list[int]:
         """`prompt_ids` for this family (its arguments already checked)."""
 
-    @property
-    @abstractmethod
+    @cached_property
     def image_token_id(self) -> int:
         """The placeholder id whose positions take the visual tokens."""
+        return int(self.config.image_token_id)
 
     @abstractmethod
     def generation_inputs(self, prompts: list[list[int]], visuals: list[VisualTokens]) -> dict[str, Any]:
         """Left-padded batch inputs for `model.generate` with cached embeddings injected."""
+
+    def left_padded(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids and attention_mask of a batch, left-padded (every row's next token lands in
+        the last column), on the model's device."""
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, ids in enumerate(prompts):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention[row, width - len(ids) :] = 1
+        return input_ids.to(self.device), attention.to(self.device)
 
     # --- token pruning and merging (transformers engine) ----------------------------------
 

@@ -24,7 +24,6 @@ image per tile). ``auto`` picks transformers and ``vllm`` is refused with that r
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ from PIL import Image
 from ingest.budget import PixelBounds
 from ingest.token_rules import TileRule
 from worker.models.base import ModelAdapter
-from worker.visual_tokens import TokenSpec, VisualTokens
+from worker.visual_tokens import VisualTokens
 
 
 class Idefics3Adapter(ModelAdapter):
@@ -43,18 +42,6 @@ class Idefics3Adapter(ModelAdapter):
         "vLLM 0.32's Idefics3 builds each image's prompt (tile rows and columns) from the image "
         "itself and refuses embedding inputs for it (TypeError: expected ImageProcessorItems)"
     )
-
-    @cached_property
-    def processor(self) -> Any:
-        from transformers import AutoProcessor
-
-        return AutoProcessor.from_pretrained(self.ref.source, revision=self.ref.revision)
-
-    @cached_property
-    def config(self) -> Any:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(self.ref.source, revision=self.ref.revision)
 
     @property
     def tile_rule(self) -> TileRule:
@@ -76,32 +63,12 @@ class Idefics3Adapter(ModelAdapter):
 
     # --- weights -----------------------------------------------------------------------
 
-    @property
-    def hidden_size(self) -> int:
-        return int(self.config.text_config.hidden_size)
-
     def tokens_for_grid(self, grid: torch.Tensor) -> int:
         """Tokens of a (1, rows, cols) tile layout; ValueError for a layout the processor cannot make."""
         t, rows, cols = (int(x) for x in grid.view(-1))
         if t != 1 or rows < 0 or cols < 0 or (rows == 0) != (cols == 0) or rows * cols == 1:
             raise ValueError("not a tile layout (1, rows, cols)")
         return self.tile_rule.tokens_for_tiles(rows, cols)
-
-    @property
-    def token_spec(self) -> TokenSpec:
-        return TokenSpec(hidden_size=self.hidden_size, dtype=self.dtype, tokens_for_grid=self.tokens_for_grid)
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.processor.tokenizer
-
-    @cached_property
-    def model(self) -> torch.nn.Module:
-        import transformers
-
-        cls = getattr(transformers, self.model_class_name)
-        model = cls.from_pretrained(self.ref.source, revision=self.ref.revision, dtype=self.dtype)
-        return model.to(self.device).eval()
 
     @torch.inference_mode()
     def encode(self, images: list[Image.Image], bounds: PixelBounds | None = None) -> list[VisualTokens]:
@@ -134,10 +101,6 @@ class Idefics3Adapter(ModelAdapter):
             for chunk, grid in zip(chunks, grids, strict=True)
         ]
 
-    @cached_property
-    def image_token_id(self) -> int:
-        return int(self.config.image_token_id)
-
     def template_ids(self, prompt: str, visual: VisualTokens | None) -> list[int]:
         processor = self.processor
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
@@ -160,16 +123,10 @@ class Idefics3Adapter(ModelAdapter):
         return ids
 
     def generation_inputs(self, prompts: list[list[int]], visuals: list[VisualTokens]) -> dict[str, Any]:
-        pad = self.tokenizer.pad_token_id
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, ids in enumerate(prompts):
-            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)  # left padding
-            attention[row, width - len(ids) :] = 1
+        input_ids, attention = self.left_padded(prompts)
         return {
-            "input_ids": input_ids.to(self.device),
-            "attention_mask": attention.to(self.device),
+            "input_ids": input_ids,
+            "attention_mask": attention,
             "mm_encoder_outputs": self.mm_encoder_outputs([v.embeds.to(self.dtype) for v in visuals], []),
         }
 

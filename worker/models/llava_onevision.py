@@ -57,7 +57,7 @@ from PIL import Image
 from ingest.anyres import AnyResRule
 from ingest.budget import PixelBounds
 from worker.models.base import ModelAdapter
-from worker.visual_tokens import TokenSpec, VisualTokens
+from worker.visual_tokens import VisualTokens
 
 
 class LlavaOnevisionAdapter(ModelAdapter):
@@ -68,18 +68,6 @@ class LlavaOnevisionAdapter(ModelAdapter):
         "(image_embeds: bn x ifs x hs), so two pages of different token counts scheduled together "
         "kill its engine (ValueError: data contains inconsistent shapes)"
     )
-
-    @cached_property
-    def processor(self) -> Any:
-        from transformers import AutoProcessor
-
-        return AutoProcessor.from_pretrained(self.ref.source, revision=self.ref.revision)
-
-    @cached_property
-    def config(self) -> Any:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(self.ref.source, revision=self.ref.revision)
 
     @property
     def anyres_rule(self) -> AnyResRule:
@@ -106,32 +94,12 @@ class LlavaOnevisionAdapter(ModelAdapter):
 
     # --- weights -----------------------------------------------------------------------
 
-    @property
-    def hidden_size(self) -> int:
-        return int(self.config.text_config.hidden_size)
-
     def tokens_for_grid(self, grid: torch.Tensor) -> int:
         """Tokens of a (1, rows, cols) feature map; ValueError for any other layout."""
         t, rows, cols = (int(x) for x in grid.view(-1))
         if t != 1 or rows < 1 or cols < 1:
             raise ValueError("not a feature map layout (1, rows, cols)")
         return self.anyres_rule.tokens_for_map(rows, cols)
-
-    @property
-    def token_spec(self) -> TokenSpec:
-        return TokenSpec(hidden_size=self.hidden_size, dtype=self.dtype, tokens_for_grid=self.tokens_for_grid)
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.processor.tokenizer
-
-    @cached_property
-    def model(self) -> torch.nn.Module:
-        import transformers
-
-        cls = getattr(transformers, self.model_class_name)
-        model = cls.from_pretrained(self.ref.source, revision=self.ref.revision, dtype=self.dtype)
-        return model.to(self.device).eval()
 
     @cached_property
     def vision_tower(self) -> SimpleNamespace:
@@ -200,10 +168,6 @@ class LlavaOnevisionAdapter(ModelAdapter):
             out.append(VisualTokens(embeds=embeds.to("cpu", self.dtype).clone(), grid_thw=grid))
         return out
 
-    @cached_property
-    def image_token_id(self) -> int:
-        return int(self.config.image_token_id)
-
     def template_ids(self, prompt: str, visual: VisualTokens | None) -> list[int]:
         processor = self.processor
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
@@ -216,16 +180,10 @@ class LlavaOnevisionAdapter(ModelAdapter):
         return self.tokenizer(expanded, add_special_tokens=True)["input_ids"]
 
     def generation_inputs(self, prompts: list[list[int]], visuals: list[VisualTokens]) -> dict[str, Any]:
-        pad = self.tokenizer.pad_token_id
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, ids in enumerate(prompts):
-            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)  # left padding
-            attention[row, width - len(ids) :] = 1
+        input_ids, attention = self.left_padded(prompts)
         return {
-            "input_ids": input_ids.to(self.device),
-            "attention_mask": attention.to(self.device),
+            "input_ids": input_ids,
+            "attention_mask": attention,
             # Per image, in row order: the model concatenates them over the <image> positions.
             "mm_encoder_outputs": self.mm_encoder_outputs([v.embeds.to(self.dtype) for v in visuals], []),
         }

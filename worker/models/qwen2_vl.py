@@ -15,7 +15,7 @@ from PIL import Image
 from ingest.budget import PixelBounds
 from worker.models.base import ModelAdapter
 from worker.models.vision_tower import load_vision_tower
-from worker.visual_tokens import TokenSpec, VisualTokens
+from worker.visual_tokens import VisualTokens
 
 # image == 1, video == 2 in the M-RoPE index (transformers' get_rope_index).
 IMAGE_TOKEN_TYPE = 1
@@ -26,18 +26,6 @@ class Qwen2VLAdapter(ModelAdapter):
     model_class_name = "Qwen2VLForConditionalGeneration"
     vllm_unsupported = None
     column_inputs = ("mm_token_type_ids",)
-
-    @cached_property
-    def processor(self) -> Any:
-        from transformers import AutoProcessor
-
-        return AutoProcessor.from_pretrained(self.ref.source, revision=self.ref.revision)
-
-    @cached_property
-    def config(self) -> Any:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(self.ref.source, revision=self.ref.revision)
 
     # --- token rule: ingest.token_rules (ModelAdapter.visual_tokens) -----------------------
 
@@ -55,10 +43,6 @@ class Qwen2VLAdapter(ModelAdapter):
     # --- weights -----------------------------------------------------------------------
 
     @property
-    def hidden_size(self) -> int:
-        return int(self.config.text_config.hidden_size)
-
-    @property
     def merge_size(self) -> int:
         return int(self.processor.image_processor.merge_size)
 
@@ -69,22 +53,6 @@ class Qwen2VLAdapter(ModelAdapter):
         if t < 1 or h < m or w < m or h % m or w % m:
             raise ValueError(f"not a grid of {m}x{m} merges")
         return t * h * w // (m * m)
-
-    @property
-    def token_spec(self) -> TokenSpec:
-        return TokenSpec(hidden_size=self.hidden_size, dtype=self.dtype, tokens_for_grid=self.tokens_for_grid)
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.processor.tokenizer
-
-    @cached_property
-    def model(self) -> torch.nn.Module:
-        import transformers
-
-        cls = getattr(transformers, self.model_class_name)
-        model = cls.from_pretrained(self.ref.source, revision=self.ref.revision, dtype=self.dtype)
-        return model.to(self.device).eval()
 
     @cached_property
     def vision_tower(self) -> torch.nn.Module:
@@ -131,10 +99,6 @@ class Qwen2VLAdapter(ModelAdapter):
             for chunk, g in zip(torch.split(merged, sizes), grid, strict=True)
         ]
 
-    @cached_property
-    def image_token_id(self) -> int:
-        return int(self.config.image_token_id)
-
     def _template_ids(self, prompt: str) -> list[int]:
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -149,18 +113,11 @@ class Qwen2VLAdapter(ModelAdapter):
         return ids[:at] + [self.image_token_id] * count + ids[at + 1 :]
 
     def generation_inputs(self, prompts: list[list[int]], visuals: list[VisualTokens]) -> dict[str, Any]:
-        pad = self.tokenizer.pad_token_id
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, ids in enumerate(prompts):
-            # Left padding: every row's next token lands in the last column.
-            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            attention[row, width - len(ids) :] = 1
+        input_ids, attention = self.left_padded(prompts)
         token_types = (input_ids == self.image_token_id).to(torch.int32) * IMAGE_TOKEN_TYPE
         return {
-            "input_ids": input_ids.to(self.device),
-            "attention_mask": attention.to(self.device),
+            "input_ids": input_ids,
+            "attention_mask": attention,
             "mm_token_type_ids": token_types.to(self.device),
             "image_grid_thw": torch.cat([v.grid_thw for v in visuals]).to(self.device),
             # transformers puts these at the image-token positions instead of running the tower.
