@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,6 +43,8 @@ def visbatch(
 ) -> subprocess.CompletedProcess:
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     environment.pop("VISBATCH_MODEL", None)  # a model only where a test gives one
+    # ... nor the one this checkout's folder records (`make run MODEL=tiny` runs `visbatch model use`)
+    environment["VISBATCH_HOME"] = tempfile.mkdtemp(prefix="visbatch-ingest-home-")
     environment.update(env or {})
     return subprocess.run(
         [sys.executable, "-c", WRAPPER, *args],
