@@ -310,7 +310,7 @@ class Cli:
         self.env.pop("VISBATCH_DEBUG", None)
         if tree is not None:
             self.env["PYTHONPATH"] = str(tree)
-            code = "from worker.cli import app; app(prog_name='visbatch')"
+            code = "from worker.cli.main import app; app(prog_name='visbatch')"
             self.argv = [sys.executable, "-c", code]
             self.cwd = tree
         else:

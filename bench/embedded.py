@@ -15,7 +15,7 @@ from ingest.spec import JobSpec
 from storage import repository as repo
 from storage.models import UnitStatus
 from storage.settings import Settings
-from worker.embedded import start_local_job
+from worker.drivers.embedded import start_local_job
 from worker.runtime import Runtime
 from worker.stages.encode import encode_units
 from worker.stages.generate import GenerateLoop

@@ -3,8 +3,8 @@
 Fleet: two `visbatch worker` processes on this machine, one on the ingest queue and one on
 encode + generate (the CPU worker / GPU worker split of a real deployment), Celery on the local
 Redis, results in PostgreSQL (a schema of its own), images and token cache in a shared folder.
-The job is submitted in-process (`worker.submit.submit_job`, what `visbatch submit` calls) and
-timed until its row is final. Embedded: `worker.embedded.run_job` in this process (SQLite, its
+The job is submitted in-process (`worker.drivers.submit.submit_job`, what `visbatch submit` calls) and
+timed until its row is final. Embedded: `worker.drivers.embedded.run_job` in this process (SQLite, its
 own folders), the embedded defaults. Both are warmed up first (weights loaded, one small job),
 as a long-running fleet would be. Each repetition uses new PDFs (new pixels, so encode runs in
 both arms); the model is the ~100M-parameter random Qwen2-VL of bench/models.py (quick mode: a
@@ -49,11 +49,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp, scratch_schema() as url:
         work = Path(tmp)
         fleet = BenchFleet(work, model, url)
-        os.environ.update(fleet.env)  # before worker.celery_app is imported (by submit_job)
+        os.environ.update(fleet.env)  # before worker.drivers.celery_app is imported (by submit_job)
         from storage.settings import Settings
-        from worker.embedded import run_job
+        from worker.drivers.embedded import run_job
+        from worker.drivers.submit import submit_job
         from worker.runtime import Runtime
-        from worker.submit import submit_job
 
         try:
             fleet.start_worker("ingest")

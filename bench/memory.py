@@ -2,7 +2,7 @@
 
 Two places where a long document could pile up memory, each measured over all its processes
 (psutil samples every 50 ms; getrusage's ru_maxrss cross-checks the main process's peak):
-  * the embedded ingest stage (`worker.embedded.ingest_only`: the splitting child process renders,
+  * the embedded ingest stage (`worker.drivers.embedded.ingest_only`: the splitting child process renders,
     hashes, PNG-encodes and stores; the main process writes unit rows in chunks to SQLite), run
     in a fresh process per document;
   * a fleet ingest worker (`visbatch worker --queues ingest`, prefork pool), started fresh per
@@ -81,7 +81,7 @@ def embedded_child(pdf: Path, home: Path, model: Path) -> dict:
     from ingest.spec import JobSpec
     from storage import repository as repo
     from storage.settings import Settings
-    from worker.embedded import ingest_only
+    from worker.drivers.embedded import ingest_only
     from worker.runtime import Runtime
 
     quiet()
@@ -130,8 +130,8 @@ def worker_child(pdf: Path, work: Path, model: Path) -> dict:
         from sqlalchemy import text
 
         from storage.settings import Settings
+        from worker.drivers.submit import submit_job
         from worker.runtime import Runtime
-        from worker.submit import submit_job
 
         try:
             proc = fleet.start_worker("ingest")

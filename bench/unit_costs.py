@@ -146,7 +146,7 @@ def _embedded(arm: str, quick: bool, counters: dict[str, Any]) -> dict[str, Any]
     from bench.embedded import quiet
     from storage import repository as repo
     from storage.settings import Settings
-    from worker.embedded import run_job
+    from worker.drivers.embedded import run_job
     from worker.runtime import Runtime
 
     quiet()
@@ -171,8 +171,8 @@ def _fleet(arm: str, quick: bool, work: Path, counters: dict[str, Any]) -> dict[
     from bench.media import report_pdf
     from storage import repository as repo
     from storage.settings import Settings
+    from worker.drivers.submit import submit_job
     from worker.runtime import Runtime
-    from worker.submit import submit_job
 
     fleet = BenchFleet(work, Path(os.environ["VISBATCH_MODEL"]), os.environ["VISBATCH_DATABASE_URL"])
     fleet.env.update({k: v for k, v in os.environ.items() if k.startswith("VISBATCH_")})

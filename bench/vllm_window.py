@@ -38,7 +38,7 @@ def main() -> None:
     from storage import repository as repo
     from storage.models import UnitStatus
     from storage.settings import Settings
-    from worker.embedded import ingest_only
+    from worker.drivers.embedded import ingest_only
     from worker.runtime import Runtime
     from worker.stages.encode import encode_units
     from worker.stages.generate import GenerateLoop

@@ -3,7 +3,7 @@
 Torch-free on purpose: ``JobSpec`` runs ``check_schema`` itself, so every door that makes a spec
 (``visbatch run/submit/plan --schema``, a drop folder's ``_spec.json``, ``JobSpec(...)`` in Python)
 gets the same checks and the same messages, without loading torch. The engines import what
-they need from here (``worker.structured`` builds the logits processor on top).
+they need from here (``worker.engines.structured`` builds the logits processor on top).
 
 The order of the checks matters: depth first, counted without recursion, so that a 5,000-deep
 document is a clean limit error instead of a ``RecursionError`` in ``json.dumps`` or in

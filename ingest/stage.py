@@ -43,7 +43,7 @@ def image_hash(image: Image.Image) -> str:
 def image_key(digest: str) -> str:
     """The one place that names a stored image: images/<h[:2]>/<h><suffix>, h the pixel hash.
 
-    worker.token_store.image_hash_of reads h back as the key's stem.
+    worker.tokens.store.image_hash_of reads h back as the key's stem.
     """
     return f"images/{digest[:2]}/{digest}{IMAGE_SUFFIX}"
 

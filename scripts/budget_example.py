@@ -21,7 +21,7 @@ import pymupdf
 
 from ingest.budget import VisualBudget
 from ingest.spec import JobSpec, Sampling
-from worker.planner import Throughput, load_plan_model, plan_job
+from worker.planning.planner import Throughput, load_plan_model, plan_job
 
 QWEN2_VL_2B = {
     "model_type": "qwen2_vl",

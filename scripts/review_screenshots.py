@@ -29,7 +29,7 @@ from tests.browser import chromium, load_all_images  # noqa: E402
 from tests.media import write_pdf, write_video  # noqa: E402
 from tests.review_jobs import OK_SCHEMA, make_job, write_review_inputs  # noqa: E402
 
-CLI = [sys.executable, "-c", "from worker.cli import app; app(prog_name='visbatch')"]
+CLI = [sys.executable, "-c", "from worker.cli.main import app; app(prog_name='visbatch')"]
 
 
 def _full_page(driver, path: Path, width: int = 1400, max_height: int = 2000) -> None:

@@ -7,8 +7,9 @@ Runs the transformers engine on synthetic page-like and picture-like images, two
 greedy, and compares every output with the all-tokens output, for three ways of giving the
 language model the share F of each image's tokens:
 
-* pruning  (``prune_keep=F``): the F highest-norm tokens stay (worker.pruning);
-* merging  (``merge_keep=F``): the most similar neighbours are averaged until F remain (worker.merging);
+* pruning  (``prune_keep=F``): the F highest-norm tokens stay (worker.tokens.pruning);
+* merging  (``merge_keep=F``): the most similar neighbours are averaged until F remain
+  (worker.tokens.merging);
 * both     (``merge_keep=prune_keep=sqrt(F)``): merged to sqrt(F), then pruned to sqrt(F) of that,
   so the same share F reaches the language model.
 

@@ -1,4 +1,6 @@
-"""Drop-folder claims: one row per S3 object version, won by exactly one watcher (ingest.dropfolder)."""
+"""Drop-folder claims: one row per S3 object version, won by exactly one watcher
+(worker.drivers.dropfolder).
+"""
 
 from __future__ import annotations
 

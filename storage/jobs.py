@@ -292,7 +292,7 @@ def job_summary(db: Database, job_id: str, *, max_errors: int = MAX_ERRORS) -> d
         "progress_at": iso(job.updated_at),
         "resumed_at": iso(job.resumed_at),
         "fleet": fleet,
-        # The process that runs it in one process ("HOST:PID:START"; worker.job_activity tells
+        # The process that runs it in one process ("HOST:PID:START"; worker.drivers.job_activity tells
         # whether it is gone).
         "process": job.process,
         "outstanding": outstanding,
@@ -391,7 +391,7 @@ def cancel_if_running(db: Database, job_id: str, error: str) -> bool:
 
 
 def record_process(db: Database, job_id: str, process: str) -> None:
-    """Record the process that runs the job now ("HOST:PID:START", worker.job_activity); it is not
+    """Record the process that runs the job now ("HOST:PID:START", worker.drivers.job_activity); it is not
     progress, so updated_at stays as it was."""
     with db.session() as session:
         session.execute(
@@ -584,7 +584,7 @@ def _unfinished(tally: _Tally) -> int:
     return sum(tally.units.get(status, 0) for status in UNFINISHED_UNITS)
 
 
-# --- stalled jobs (worker.stall_watch) ------------------------------------------------------------
+# --- stalled jobs (worker.drivers.stall_watch) ------------------------------------------------------------
 # A job's last progress is jobs.updated_at: every stage moves the job row as it works (counters,
 # busy seconds), and the stall watch's own stamp leaves it alone.
 

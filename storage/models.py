@@ -206,12 +206,12 @@ JOBS = Table(
     Column("first_result_at", UTCDateTime, nullable=True),
     *map(_seconds, ("ingest_seconds", "encode_seconds", "generate_seconds")),
     # When the fleet last resumed this job on its own, for want of progress (migration 0005,
-    # worker.stall_watch): not again within the stall threshold.
+    # worker.drivers.stall_watch): not again within the stall threshold.
     Column("resumed_at", UTCDateTime, nullable=True),
     # The process that runs (or last ran) the job in one process (migration 0006): "HOST:PID:START",
     # START being the process's start time (so that a reused pid is not taken for it; empty where
     # it cannot be read). `status` and `jobs` say `interrupted` when that process is gone
-    # (worker.job_activity); kept as history when the run ends. NULL for a fleet job.
+    # (worker.drivers.job_activity); kept as history when the run ends. NULL for a fleet job.
     Column("process", Text, nullable=True),
     # The job's token report (storage.token_report) as close_job counted it when the job finished
     # (migration 0007); NULL while it runs or once reopened. `status` reads it instead of summing

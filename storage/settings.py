@@ -296,7 +296,7 @@ class Settings:
     unacked_restore_interval: int = setting(
         5, ge=1, description="Seconds between sweeps for abandoned tasks."
     )
-    # The safety net for a job whose messages were lost anyway (worker.stall_watch).
+    # The safety net for a job whose messages were lost anyway (worker.drivers.stall_watch).
     stall_after_s: int = setting(
         120,
         ge=10,

@@ -1,7 +1,7 @@
 """The visual-token cache: opaque bytes (safetensors) by key.
 
-It knows nothing of tensors: the worker serializes and validates entries (worker.visual_tokens,
-worker.token_store), and drops a bad one with ``delete`` so it gets re-encoded.
+It knows nothing of tensors: the worker serializes and validates entries (worker.tokens.visual_tokens,
+worker.tokens.store), and drops a bad one with ``delete`` so it gets re-encoded.
 
 Shapes:
 

@@ -20,7 +20,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from storage.db import Database
-from worker.supervisor import die_with_parent
+from worker.drivers.supervisor import die_with_parent
 
 REDIS_URL = os.environ.get("VISBATCH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 VISBATCH = str(Path(sys.executable).with_name("visbatch"))

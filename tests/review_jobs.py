@@ -50,7 +50,7 @@ HOSTILE_OUTPUT = {
 
 def make_job(settings: Settings, paths: list[Path], spec: JobSpec) -> str:
     """Run a whole job in this process (the embedded shape) and return its id."""
-    from worker.embedded import run_job
+    from worker.drivers.embedded import run_job
     from worker.runtime import Runtime
 
     rt = Runtime(settings)
@@ -107,7 +107,7 @@ def run_cli(home: Path, *args: str) -> subprocess.CompletedProcess:
     """`visbatch ARGS` in a fresh interpreter on this tree, which then asserts that no model library
     was imported (view and compare only read the database and the store)."""
     code = (
-        "import sys\nfrom worker.cli import app\ncode = 0\n"
+        "import sys\nfrom worker.cli.main import app\ncode = 0\n"
         "try:\n    app(sys.argv[1:], prog_name='visbatch')\n"
         "except SystemExit as exc:\n    code = exc.code or 0\n"
         "heavy = sorted({'torch', 'transformers', 'vllm'} & set(sys.modules))\n"

@@ -21,10 +21,10 @@ NEUTRAL = [
     "worker/engines/base.py",
     "worker/engines/transformers_engine.py",
     "worker/engines/vllm_engine.py",
-    "worker/token_reduction.py",
-    "worker/merging.py",
-    "worker/pruning.py",
-    "worker/visual_tokens.py",
+    "worker/tokens/reduction.py",
+    "worker/tokens/merging.py",
+    "worker/tokens/pruning.py",
+    "worker/tokens/visual_tokens.py",
 ]
 QWEN_ISMS = {
     "grid_thw",
@@ -63,7 +63,7 @@ def _code_words(path: Path) -> set[str]:
 def test_no_qwen_geometry_outside_the_qwen_adapters(module):
     used = _code_words(ROOT / module) & QWEN_ISMS
     # VisualTokens names its layout field grid_thw (kept for the cache format); only it may.
-    if module == "worker/visual_tokens.py":
+    if module == "worker/tokens/visual_tokens.py":
         used -= {"grid_thw"}
     assert not used, f"{module} uses {sorted(used)}: move it into the family's adapter"
 

@@ -1,4 +1,4 @@
-"""worker/broker_redis.py: a Redis broker that restarts under a worker holding messages.
+"""worker/drivers/broker_redis.py: a Redis broker that restarts under a worker holding messages.
 
 When the broker connection breaks, Celery (Consumer.on_connection_error_after_connected) first
 `collect()`s the connection, which detaches its transport (`transport.client = None`), then
@@ -17,7 +17,7 @@ import redis
 from kombu import Connection, Consumer, Exchange, Queue
 
 from tests.faults import RedisServer
-from worker.broker_redis import TRANSPORT
+from worker.drivers.broker_redis import TRANSPORT
 
 pytestmark = pytest.mark.faults
 
@@ -50,7 +50,7 @@ def test_a_message_held_across_a_broker_restart_is_back_in_its_queue(tmp_path):
 
 
 def test_kombus_own_transport_still_crashes_there(tmp_path):
-    """The bug worker/broker_redis.py works around, as kombu has it today: when this fails,
+    """The bug worker/drivers/broker_redis.py works around, as kombu has it today: when this fails,
     kombu has fixed it and visbatch's transport can go."""
     server = RedisServer(tmp_path / "broker")
     try:

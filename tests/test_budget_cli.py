@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.media import write_pdf, write_video
-from worker.cli import app
+from worker.cli.main import app
 
 pytestmark = pytest.mark.slow
 

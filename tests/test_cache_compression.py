@@ -15,8 +15,8 @@ from storage.object_store import LocalObjectStore
 from storage.settings import SettingError
 from storage.token_cache import FolderTokenCache
 from tests.media import write_pdf
-from worker.token_store import VisualTokenStore
-from worker.visual_tokens import COMPRESSED_MAGIC, InvalidVisualTokens, VisualTokens
+from worker.tokens.store import VisualTokenStore
+from worker.tokens.visual_tokens import COMPRESSED_MAGIC, InvalidVisualTokens, VisualTokens
 
 
 def _page_keys(store: LocalObjectStore, tmp_path: Path, pages: int = 2) -> list[str]:

@@ -24,7 +24,7 @@ from storage.token_cache import (
 )
 from tests.faults import RedisServer
 from tests.media import write_pdf
-from worker.embedded import run_job
+from worker.drivers.embedded import run_job
 from worker.runtime import Runtime
 
 pytestmark = [
@@ -181,8 +181,8 @@ def test_policy_views(tmp_path: Path, cache_redis: RedisServer, s3_client: Any, 
 
 
 def test_bad_policy_is_refused_with_the_option_named() -> None:
-    from worker.cli_errors import UserError
-    from worker.cli_options import JOB_GROUPS, JobOptions, options_of
+    from worker.errors import UserError
+    from worker.options import JOB_GROUPS, JobOptions, options_of
 
     values = {opt.name: (None if opt.default is ... else opt.default) for opt in options_of(JOB_GROUPS)}
     values.update(prompt=["q"], cache="warm")

@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.media import write_pdf, write_video
-from worker.cli import app
-from worker.cli_errors import EXIT_PARTIAL
+from worker.cli.main import app
+from worker.errors import EXIT_PARTIAL
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import jsonschema
 import yaml
 from typer.main import get_command
 
-from worker.cli import app
+from worker.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
 

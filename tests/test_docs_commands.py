@@ -81,7 +81,7 @@ def shell_commands(text: str) -> list[list[str]]:
 def _command_and_flags(argv: list[str]):
     from typer.main import get_command
 
-    from worker.cli import app
+    from worker.cli.main import app
 
     command = get_command(app)
     words = list(argv)

@@ -11,8 +11,8 @@ from PIL import Image
 from ingest.stage import store_image
 from storage.object_store import LocalObjectStore
 from storage.token_cache import FolderTokenCache
-from worker.token_store import VisualTokenStore
-from worker.visual_tokens import VisualTokens
+from worker.tokens.store import VisualTokenStore
+from worker.tokens.visual_tokens import VisualTokens
 
 
 @pytest.fixture

@@ -263,7 +263,7 @@ def test_7_jobs_shows_whole_dates_and_counts_errors(schema_run, first_run, home)
 def test_8_help_at_80_columns_shows_every_option_whole(command, tmp_path):
     from typer.main import get_command
 
-    from worker.cli import app
+    from worker.cli.main import app
 
     done = visbatch(_env(tmp_path), command, "--help")
     assert done.rc == 0
@@ -326,7 +326,7 @@ def test_11_plan_prints_small_costs_and_names_a_bad_throughput(tmp_path, tiny_mo
 
 
 def test_11_money_and_gpu_time_formats():
-    from worker.plan_cli import format_gpu_time, format_usd
+    from worker.cli.plan import format_gpu_time, format_usd
 
     assert format_usd(0.000211) == "$0.00021" and format_usd(2.5) == "$2.50" and format_usd(0) == "$0.00"
     assert format_gpu_time(8.263e-05) == "0.3 GPU-seconds"
@@ -434,7 +434,7 @@ def test_14_no_input_files_found(tmp_path):
 def test_14_an_unexpected_error_is_one_line_and_exit_5(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from worker import cli
+    from worker.cli.main import main as cli
 
     def boom(*_a, **_k):
         raise RuntimeError("a bug\nwith two lines")
@@ -464,8 +464,8 @@ def test_15_the_readme_is_short_and_the_details_moved_to_docs():
 def test_16_run_submit_and_plan_declare_the_same_job_options():
     from typer.main import get_command
 
-    from worker.cli import app
-    from worker.cli_options import INGEST_OPTIONS, INPUT_OPTIONS, MODEL_OPTIONS
+    from worker.cli.main import app
+    from worker.options import INGEST_OPTIONS, INPUT_OPTIONS, MODEL_OPTIONS
 
     group = get_command(app)
     commands = {name: group.get_command(None, name) for name in group.list_commands(None)}  # type: ignore[attr-defined]

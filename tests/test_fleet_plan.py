@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from ingest.spec import JobSpec, Sampling
 from tests.media import write_pdf
-from worker.cli import app
-from worker.fleet_sizing import (
+from worker.cli.main import app
+from worker.planning.fleet_sizing import (
     ASSUMED_MFU,
     H100_BF16_DENSE_FLOPS,
     S3Prices,
@@ -23,7 +23,7 @@ from worker.fleet_sizing import (
     model_shape,
     parse_duration,
 )
-from worker.planner import dtype_bytes, load_plan_model, plan_job
+from worker.planning.planner import dtype_bytes, load_plan_model, plan_job
 
 QWEN25_VL_7B = {
     "model_type": "qwen2_5_vl",
@@ -150,7 +150,7 @@ def test_plan_command_fleet(tiny_model_dir, tmp_path) -> None:
 def test_plan_cache_bytes_equal_what_a_run_stores(settings_factory, tiny_model_dir, tmp_path) -> None:
     """The plan's cold bytes, less the estimated headers, are the tensor bytes the run's cache
     entries hold, exactly (the tiny model in float32)."""
-    from worker.embedded import run_job
+    from worker.drivers.embedded import run_job
     from worker.runtime import Runtime
 
     inputs = tmp_path / "in"

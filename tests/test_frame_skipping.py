@@ -16,7 +16,7 @@ from ingest.frames import RedundantFrames, frame_signature, signature_distance
 from ingest.spec import IngestOptions, JobSpec
 from storage import repository as repo
 from storage.models import UNITS, UnitStatus
-from worker.embedded import ingest_only
+from worker.drivers.embedded import ingest_only
 from worker.runtime import Runtime
 
 MOVING = (3.0, 5.0)  # seconds during which a red square crosses the picture

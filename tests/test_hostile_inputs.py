@@ -18,7 +18,7 @@ from ingest.units import SourceError, UnitFailure
 from storage import repository as repo
 from tests.hostile_corpus import write_corpus
 from tests.media import write_pdf, write_video
-from worker.embedded import run_job
+from worker.drivers.embedded import run_job
 from worker.runtime import Runtime
 
 

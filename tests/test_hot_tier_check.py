@@ -12,8 +12,8 @@ import pytest
 
 from storage.token_cache import FolderTokenCache, RedisTokenCache, S3TokenCache, TieredTokenCache
 from tests.faults import RedisServer
-from worker.cache_check import hot_tier_warning, redis_memory, worker_hot_tier_warning
-from worker.fleet_sizing import entry_bytes, hot_tier_bytes, model_shape, pages_in_flight_per_gpu
+from worker.planning.cache_check import hot_tier_warning, redis_memory, worker_hot_tier_warning
+from worker.planning.fleet_sizing import entry_bytes, hot_tier_bytes, model_shape, pages_in_flight_per_gpu
 
 pytestmark = pytest.mark.faults
 
@@ -103,12 +103,12 @@ def test_not_redis_or_down_is_not_checked(tmp_path, closed_port) -> None:
 
 def test_worker_start_logs_it(servers, tmp_path, settings_factory, caplog) -> None:
     """`visbatch worker`'s start-up step, on the tiny model with a 1 MB cache Redis."""
-    from worker.cli import _check_hot_tier
+    from worker.cli.main import _check_hot_tier
     from worker.runtime import Runtime
 
     server = servers("--maxmemory", "1mb", "--maxmemory-policy", "allkeys-lru")
     rt = Runtime(settings_factory(cache_url=server.url))
     rt.load_model()
-    with caplog.at_level(logging.WARNING, logger="worker.cache_check"):
+    with caplog.at_level(logging.WARNING, logger="worker.planning.cache_check"):
         _check_hot_tier(rt, 64)
     assert any("cannot hold 80 pages in flight" in r.getMessage() for r in caplog.records), caplog.text

@@ -166,7 +166,7 @@ def test_store_and_files_use_the_one_writer(tmp_path: Path) -> None:
 
 
 def test_the_encode_stage_reads_the_hash_back_from_the_key(tmp_path: Path) -> None:
-    from worker.token_store import image_hash_of
+    from worker.tokens.store import image_hash_of
 
     page = _page(tmp_path)
     assert image_hash_of(image_key(image_hash(page))) == image_hash(page)

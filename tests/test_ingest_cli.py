@@ -27,7 +27,7 @@ HEAVY = ("torch", "transformers", "sqlalchemy", "vllm", "celery")
 # Runs the real command in this interpreter, then reports which heavy modules it imported.
 WRAPPER = f"""
 import json, sys
-from worker.cli import app
+from worker.cli.main import app
 code = 0
 try:
     app()

@@ -18,9 +18,9 @@ from storage import jobs
 from storage.models import utcnow
 from storage.settings import Settings
 from tests.media import write_pdf
-from worker.cli_output import print_summary
-from worker.consumers import announce, stages_without_consumer, withdraw
-from worker.job_activity import job_activity
+from worker.cli.output import print_summary
+from worker.drivers.consumers import announce, stages_without_consumer, withdraw
+from worker.drivers.job_activity import job_activity
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = Settings(stall_after_s=120)
@@ -103,7 +103,7 @@ def test_submit_with_no_worker_warns_and_still_gives_the_job(tmp_path, redis_url
         "VISBATCH_BROKER_PREFIX": redis_prefix,
         "VISBATCH_MODEL": "Qwen/Qwen2-VL-2B-Instruct",  # recorded, never loaded: no worker here
     }
-    cli = [sys.executable, "-c", "from worker.cli import app; app()"]
+    cli = [sys.executable, "-c", "from worker.cli.main import app; app()"]
     # An encode+generate worker is up (its heartbeat), no ingest worker: the warning names ingest.
     announce(Settings(broker_url=redis_url, broker_prefix=redis_prefix), "gpu@host", ["encode", "generate"])
     done = subprocess.run(

@@ -22,7 +22,7 @@ HEAVY = ("torch", "transformers")
 NOT_FOR_READING = (
     "sqlalchemy.orm",
     "ingest.spec",
-    "worker.cli_run",
+    "worker.cli.run",
     "pydantic_settings",
     "sqlalchemy.dialects.postgresql",
 )
@@ -31,7 +31,7 @@ NOT_FOR_READING = (
 PROBE = f"""
 import signal, sys
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-from worker.cli import app
+from worker.cli.main import app
 try:
     app()
 except BaseException:

@@ -218,7 +218,7 @@ def test_structured_output_and_several_prompts_over_one_image(ov):
     import torch
 
     from worker.engines import EngineRequest, make_engine
-    from worker.structured import validate_output
+    from worker.engines.structured import validate_output
 
     schema = {
         "type": "object",
@@ -267,8 +267,8 @@ def test_plan_equals_what_a_run_records(settings_factory, family_model_dir, tmp_
     from ingest.spec import IngestOptions, JobSpec, Sampling
     from storage import repository as repo
     from tests.media import write_pdf, write_video
-    from worker.embedded import run_job
-    from worker.planner import dtype_bytes, load_plan_model, plan_job
+    from worker.drivers.embedded import run_job
+    from worker.planning.planner import dtype_bytes, load_plan_model, plan_job
     from worker.runtime import Runtime
 
     model = family_model_dir("llava_onevision")

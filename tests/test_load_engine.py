@@ -13,12 +13,12 @@ import torch
 from ingest.spec import JobSpec, Sampling
 from storage import repository as repo
 from tests.media import write_pdf
-from worker.embedded import run_job
+from worker.drivers.embedded import run_job
 from worker.engines import resolve_engine_name
 from worker.engines.base import EngineRequest
 from worker.engines.load_engine import LoadEngine
 from worker.runtime import Runtime
-from worker.visual_tokens import VisualTokens
+from worker.tokens.visual_tokens import VisualTokens
 
 pytestmark = pytest.mark.slow
 

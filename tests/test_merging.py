@@ -10,9 +10,9 @@ import torch
 
 from tests.test_pruning import as_rows, generate, prompts_of, reduce, visuals_of
 from worker.engines import EngineRequest, make_engine
-from worker.merging import merge_runs, run_position
-from worker.pruning import kept_count
-from worker.token_reduction import plan_reduction, reduce_batch
+from worker.tokens.merging import merge_runs, run_position
+from worker.tokens.pruning import kept_count
+from worker.tokens.reduction import plan_reduction, reduce_batch
 
 # --- the rule itself, on hand-made embeddings ------------------------------------------------
 

@@ -102,7 +102,7 @@ def _ports_up(*ports: int) -> bool:
 def test_an_embedded_run_serves_metrics(settings_factory, tmp_path):
     from ingest.spec import JobSpec, Sampling
     from worker import metrics
-    from worker.embedded import EmbeddedRun
+    from worker.drivers.embedded import EmbeddedRun
     from worker.runtime import Runtime
 
     rt = Runtime(settings_factory())

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from worker.packing import PackItem, pack_by_tokens, padding_waste
+from worker.tokens.packing import PackItem, pack_by_tokens, padding_waste
 
 
 def _items(n: int, seed: int = 0) -> list[PackItem[int]]:

@@ -9,7 +9,7 @@ import pytest
 from ingest.spec import JobSpec, Sampling
 from storage import repository as repo
 from tests.media import write_bad_inputs, write_pdf, write_video
-from worker.embedded import run_job
+from worker.drivers.embedded import run_job
 from worker.runtime import Runtime
 
 pytestmark = pytest.mark.slow

@@ -13,9 +13,9 @@ from ingest.budget import VisualBudget
 from ingest.spec import IngestOptions, JobSpec, Sampling
 from storage import repository as repo
 from tests.media import write_pdf, write_video
-from worker.cli import app
-from worker.embedded import run_job
-from worker.planner import Throughput, dtype_bytes, kv_shape_from_config, load_plan_model, plan_job
+from worker.cli.main import app
+from worker.drivers.embedded import run_job
+from worker.planning.planner import Throughput, dtype_bytes, kv_shape_from_config, load_plan_model, plan_job
 from worker.runtime import Runtime
 
 # Real Qwen2-VL-2B-Instruct values (config.json / preprocessor_config.json), for the config-only path.
@@ -201,7 +201,7 @@ def test_plan_imports_neither_torch_nor_transformers(tiny_model_dir, tmp_path):
 
     pdf = write_pdf(tmp_path / "a.pdf", pages=1)
     code = (
-        "import sys; from worker.cli import app\n"
+        "import sys; from worker.cli.main import app\n"
         "try:\n    app()\nexcept SystemExit:\n    pass\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )

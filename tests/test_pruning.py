@@ -10,8 +10,8 @@ import torch
 from PIL import Image
 
 from worker.engines import EngineRequest, make_engine
-from worker.pruning import kept_count, select_tokens
-from worker.token_reduction import reduce_batch
+from worker.tokens.pruning import kept_count, select_tokens
+from worker.tokens.reduction import reduce_batch
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 8

@@ -222,7 +222,7 @@ def test_the_purge_command(sqlite_url: str, tmp_path: Path) -> None:
     ],
 )
 def test_ages(text: str, expected: timedelta) -> None:
-    from worker.purge_cli import parse_age
+    from worker.cli.purge import parse_age
 
     assert parse_age(text) == expected
 

@@ -36,7 +36,7 @@ def folder(tmp_path, tiny_model_dir, monkeypatch) -> Path:
 
 
 def test_importing_visbatch_imports_no_torch():
-    code = "import sys, visbatch, worker.cli; assert 'torch' not in sys.modules, 'torch'; print('ok')"
+    code = "import sys, visbatch, worker.cli.main; assert 'torch' not in sys.modules, 'torch'; print('ok')"
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),

@@ -8,8 +8,8 @@ from ingest.spec import JobSpec
 from storage import repository as repo
 from storage.rows import UnitRow, UnitTask
 from worker.engines.base import EngineRequest, Generation
-from worker.request_builder import Prepared, RequestBuilder, without_nul
-from worker.visual_tokens import VisualTokens
+from worker.tokens.request_builder import Prepared, RequestBuilder, without_nul
+from worker.tokens.visual_tokens import VisualTokens
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
 

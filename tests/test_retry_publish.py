@@ -11,8 +11,8 @@ import sqlalchemy.exc
 from celery.exceptions import Reject, Retry
 
 from storage.settings import Settings
-from worker.celery_app import make_celery
-from worker.tasks import StageTask, retrying
+from worker.drivers.celery_app import make_celery
+from worker.drivers.tasks import StageTask, retrying
 
 
 @pytest.fixture

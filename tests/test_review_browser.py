@@ -34,7 +34,7 @@ from tests.review_jobs import (
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-c", "from worker.cli import app; app(prog_name='visbatch')"]
+CLI = [sys.executable, "-c", "from worker.cli.main import app; app(prog_name='visbatch')"]
 
 
 @dataclass

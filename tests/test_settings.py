@@ -96,7 +96,7 @@ def test_every_setting_is_declared_with_a_description_and_documented():
 def test_a_bad_variable_is_one_line_and_exit_2(tmp_path):
     env = {**os.environ, "VISBATCH_HOME": str(tmp_path / "home"), "VISBATCH_TOKEN_BUDGET": "lots"}
     done = subprocess.run(
-        [sys.executable, "-c", "from worker.cli import app; app(prog_name='visbatch')", "jobs"],
+        [sys.executable, "-c", "from worker.cli.main import app; app(prog_name='visbatch')", "jobs"],
         env=env,
         capture_output=True,
         text=True,

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from ingest.spec import JobSpec, SpecError, describe_spec_error, schema_from_json, spec_from_json
-from worker.cli import app
+from worker.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
 VISBATCH = str(Path(sys.executable).with_name("visbatch"))

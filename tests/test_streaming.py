@@ -19,7 +19,7 @@ from storage import repository as repo
 from storage.db import Database
 from storage.settings import Settings
 from tests.media import write_pdf, write_slow_pdf
-from worker.embedded import EmbeddedRun
+from worker.drivers.embedded import EmbeddedRun
 from worker.runtime import Runtime
 
 # Budget: ~46 s on a busy 2-core machine (2026-12-02, load 2): slow PDFs streamed, runs killed, resumed.

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from worker.engines import EngineRequest, make_engine
-from worker.structured import SchemaError, check_schema, validate_output
+from worker.engines.structured import SchemaError, check_schema, validate_output
 
 SCHEMA = {
     "type": "object",

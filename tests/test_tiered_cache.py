@@ -19,8 +19,8 @@ from storage.token_cache import (
     open_token_cache,
 )
 from worker.models.base import ModelAdapter
-from worker.token_store import VisualTokenStore
-from worker.visual_tokens import TokenSpec, VisualTokens
+from worker.tokens.store import VisualTokenStore
+from worker.tokens.visual_tokens import TokenSpec, VisualTokens
 
 TTL = 3600
 CAP = 64 * 1024

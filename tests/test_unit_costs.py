@@ -21,7 +21,7 @@ from storage import repository as repo
 from storage import usage
 from storage.models import UnitStatus
 from tests.media import write_pdf
-from worker.embedded import start_local_job
+from worker.drivers.embedded import start_local_job
 from worker.runtime import Runtime
 from worker.stages.encode import encode_units
 from worker.stages.generate import GenerateLoop, UnitIds, UnitsOutcome, _Ticket
@@ -90,7 +90,7 @@ def test_one_read_of_units_and_answers_for_every_waiting_message(counting, setti
 
 
 def test_a_generate_task_reads_a_live_job_once_a_second(counting, monkeypatch, settings_factory):
-    import worker.tasks as tasks
+    import worker.drivers.tasks as tasks
 
     rt = Runtime(settings_factory())
     monkeypatch.setattr(tasks, "_db", lambda: rt.db)

@@ -11,9 +11,9 @@
     job = visbatch.submit(["s3://bucket/inbox/"], prompts=["..."])   # Celery workers do the work
     job.wait()
 
-The same code as the command line: the job's options are the CLI's (worker.cli_options, as
+The same code as the command line: the job's options are the CLI's (worker.options, as
 keyword arguments: ``longest_side=``, ``fps=``, ``detail=``, ``max_new_tokens=`` ...), the run is
-worker.embedded.EmbeddedRun, submission worker.submit, and the answers come from
+worker.drivers.embedded.EmbeddedRun, submission worker.drivers.submit, and the answers come from
 storage.repository in the records of `visbatch results` (worker.results_export): ``source``,
 ``kind``, ``page_number`` (PDF pages from 1), ``timestamp`` (video), ``unit_index`` and
 ``prompt_index`` (from 0, as in SQL), ``prompt``, ``output`` (JSON answers), ``text``, ``error``,
@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from worker.cli_errors import EXIT_UNAVAILABLE, Unavailable, UserError, explain
+from worker.errors import EXIT_UNAVAILABLE, Unavailable, UserError, explain
 
 if TYPE_CHECKING:
     from worker.runtime import Runtime
@@ -93,7 +93,7 @@ PathLike = str | Path
 
 def _options(prompts: Sequence[str], schema: Any, model: str | None, options: dict[str, Any]) -> Any:
     """The CLI's job options (defaults from their one declaration) with these values."""
-    from worker.cli_options import JOB_GROUPS, JobOptions, options_of
+    from worker.options import JOB_GROUPS, JobOptions, options_of
 
     declared = {opt.name: opt for opt in options_of(JOB_GROUPS, prompt_required=False)}
     unknown = sorted(set(options) - set(declared) - {"prompt", "schema", "model"})
@@ -146,7 +146,7 @@ def run(
     has ended. `paths`: files, or folders (walked: documents only, or `include` globs).
     `options`: any job option of the CLI by its Python name (``max_new_tokens=64``, ``detail="low"``).
     `progress`: an object with ``update(stage, done, total)`` and ``note(message)``, or None."""
-    from worker.embedded import EmbeddedRun
+    from worker.drivers.embedded import EmbeddedRun
 
     spec = _spec(_options(prompts, schema, model, options))
     files = _files(paths, include, exclude)
@@ -171,7 +171,7 @@ def submit(
     """Send a job to the fleet (like `visbatch submit`): local files are uploaded to the store,
     ``s3://`` objects and prefixes are read in place. Returns at once, or when it ends (`wait`).
     Warns (NoWorkerWarning, on stderr) when no worker consumes a queue the job needs."""
-    from worker.submit import missing_workers_warning, submit_job
+    from worker.drivers.submit import missing_workers_warning, submit_job
 
     spec = _spec(_options(prompts, schema, model, options))
     local = [Path(i) for i in map(str, inputs) if not i.startswith("s3://")]
@@ -292,7 +292,7 @@ class Job:
     @_plain_errors
     def wait(self, timeout: float | None = None, poll_seconds: float = 1.0) -> Job:
         """Until the job ends (a fleet job); returns self."""
-        from worker.submit import wait_for_job
+        from worker.drivers.submit import wait_for_job
 
         wait_for_job(self._rt, self.id, poll_seconds=poll_seconds, timeout=timeout)
         return self
@@ -300,7 +300,7 @@ class Job:
     @_plain_errors
     def cancel(self) -> Job:
         """Stop the job's remaining work; what is done stays."""
-        from worker.submit import cancel_job
+        from worker.drivers.submit import cancel_job
 
         cancel_job(self._rt, self.id)
         return self
@@ -308,7 +308,7 @@ class Job:
     @_plain_errors
     def resume(self, progress: Any = None) -> Job:
         """Continue a stopped job in this process (`visbatch resume`)."""
-        from worker.embedded import EmbeddedRun
+        from worker.drivers.embedded import EmbeddedRun
 
         model = self.summary()["spec"].get("model")
         if model and model != self._rt.model_name:

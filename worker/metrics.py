@@ -138,7 +138,7 @@ def job_states(database_url: str) -> JobStatesCollector:
 
 def broker_queues(settings: Any) -> QueueDepthCollector:
     """Depth of each stage's queue, asked of the broker (RabbitMQ or Redis) at scrape time."""
-    from worker.celery_app import QUEUES, app, queue_name
+    from worker.drivers.celery_app import QUEUES, app, queue_name
 
     def depth() -> dict[str, int]:
         out = {}

@@ -26,9 +26,9 @@ if TYPE_CHECKING:
     from storage.token_cache import TokenCache
     from worker.engines import Engine
     from worker.models import ModelAdapter
-    from worker.request_builder import RequestBuilder
     from worker.retry import RetryPolicy
-    from worker.token_store import VisualTokenStore
+    from worker.tokens.request_builder import RequestBuilder
+    from worker.tokens.store import VisualTokenStore
 
 
 # One per process, shared by every runtime and task thread: transformers' lazy module imports and
@@ -212,7 +212,7 @@ class Runtime:
 
     @_LoadedOnce
     def tokens(self) -> VisualTokenStore:
-        from worker.token_store import VisualTokenStore
+        from worker.tokens.store import VisualTokenStore
 
         if self.settings.cache_compression not in ("none", "zstd"):
             from storage.settings import SettingError
@@ -240,7 +240,7 @@ class Runtime:
 
     @_LoadedOnce
     def requests(self) -> RequestBuilder:
-        from worker.request_builder import RequestBuilder
+        from worker.tokens.request_builder import RequestBuilder
 
         return RequestBuilder(
             self.load_model(), self.tokens, model_name=self.model_name, engine_name=self.engine.name

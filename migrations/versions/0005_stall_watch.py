@@ -1,7 +1,7 @@
 """The fleet's safety net for stuck jobs: where a source is read, and when a job was last resumed.
 
 jobs:    resumed_at (when the fleet last resumed this job on its own because it made no progress:
-         worker.stall_watch; a job is not resumed again within the stall threshold).
+         worker.drivers.stall_watch; a job is not resumed again within the stall threshold).
 sources: location (where a fleet worker reads the source: store:<key> for an uploaded file,
          s3://... in place; recorded at submit, so that any worker can send its ingest again).
 

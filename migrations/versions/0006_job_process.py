@@ -1,5 +1,5 @@
 """Which process runs a job in one process (embedded), so that a job whose process is gone is
-shown `interrupted`, not `running` (worker.job_activity).
+shown `interrupted`, not `running` (worker.drivers.job_activity).
 
 jobs: process ("HOST:PID:START": the host name, the pid and the process's start time, recorded
       when `visbatch run`, `resume` or the Python API starts the work; kept as history after).

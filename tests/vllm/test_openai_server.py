@@ -22,11 +22,11 @@ from storage import repository as repo
 from tests.media import write_pdf, write_video
 from tests.vllm.helpers import SCHEMA, SIZES, assert_same, encode, random_image, request
 from tests.vllm.server import FlakyProxy, metric_value
-from worker.embedded import run_job
+from worker.drivers.embedded import run_job
 from worker.engines.openai_engine import OpenAIEngine, OpenAIOptions
+from worker.engines.structured import validate_output
 from worker.retry import RetryPolicy
 from worker.runtime import Runtime
-from worker.structured import validate_output
 
 # Budget: one `vllm serve` start (~90 s on 2 cores, more when busy); to be tightened.
 pytestmark = pytest.mark.budget(300, reason="one vllm serve start on a CPU")

@@ -11,7 +11,7 @@ from storage import repository as repo
 from tests.media import write_pdf, write_video
 from tests.vllm.conftest import TEST_OPTIONS
 from tests.vllm.helpers import SCHEMA
-from worker.embedded import run_job
+from worker.drivers.embedded import run_job
 from worker.runtime import Runtime
 
 SPEC = JobSpec(

@@ -18,7 +18,7 @@ import pytest
 
 from tests.vllm.conftest import TEST_OPTIONS, require_vllm
 from tests.vllm.helpers import SCHEMA, SIZES, assert_same, encode, random_image, request
-from worker.structured import validate_output
+from worker.engines.structured import validate_output
 
 # Budget: two vLLM engine starts (Qwen3-VL, Qwen3-VL-MoE), 270 s on a busy 2-core machine; to be tightened.
 pytestmark = pytest.mark.budget(600, reason="two vLLM engine starts on a CPU")
@@ -77,7 +77,7 @@ def test_bad_deepstack_fails_alone(qwen3):
 
     import torch
 
-    from worker.visual_tokens import VisualTokens
+    from worker.tokens.visual_tokens import VisualTokens
 
     adapter, engine, hf = qwen3
     good_vt, other_vt = encode(adapter, [random_image(280, 280, 60), random_image(560, 280, 61)])

@@ -2,7 +2,7 @@
 
 transformers generates static batches (every row padded to the longest prompt, the batch runs
 until its longest answer ends), so each `step` packs what is queued by token count
-(worker.packing) and runs ONE batch: the one holding the oldest queued request, so nothing
+(worker.tokens.packing) and runs ONE batch: the one holding the oldest queued request, so nothing
 waits forever behind a stream of better-fitting newcomers. After the engine has been idle the
 batches start small and double (1, 2, 4 ... up to max_batch_size), like TCP's slow start: the
 first answers of a job come after one request's worth of compute, not a full batch's, and a busy
@@ -21,9 +21,9 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from worker.engines.base import EngineRequest, Generation, StepEngine
+from worker.engines.structured import GrammarLogitsProcessor
 from worker.models.base import ModelAdapter
-from worker.packing import PackItem, pack_by_tokens
-from worker.structured import GrammarLogitsProcessor
+from worker.tokens.packing import PackItem, pack_by_tokens
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class TransformersEngine(StepEngine):
         prompts, visuals = [r.prompt_ids for r in requests], [r.visual for r in requests]
         prune_keeps, merge_keeps = [r.prune_keep for r in requests], [r.merge_keep for r in requests]
         pruned = merged = [0] * len(requests)
-        if any(keep < 1.0 for keep in prune_keeps + merge_keeps):  # positions kept: worker.token_reduction
+        if any(keep < 1.0 for keep in prune_keeps + merge_keeps):  # positions kept: worker.tokens.reduction
             inputs, pruned, merged = adapter.reduced_generation_inputs(
                 prompts, visuals, prune_keeps, merge_keeps
             )

@@ -49,7 +49,7 @@ def generation_defaults(adapter: ModelAdapter) -> GenerationDefaults:
 
 
 def schema_string(schema: dict[str, Any]) -> str:
-    """The schema exactly as worker.structured hands it to llguidance (keys sorted)."""
+    """The schema exactly as worker.engines.structured hands it to llguidance (keys sorted)."""
     return json.dumps(schema, sort_keys=True)
 
 

@@ -41,7 +41,7 @@ from worker.engines.vllm_common import (
     schema_string,
 )
 from worker.models.base import ModelAdapter
-from worker.visual_tokens import InvalidVisualTokens, TokenSpec
+from worker.tokens.visual_tokens import InvalidVisualTokens, TokenSpec
 
 if TYPE_CHECKING:
     from storage.settings import Settings

@@ -25,7 +25,7 @@ from PIL import Image
 
 from ingest.budget import PixelBounds, TokenGeometry
 from ingest.token_rules import TokenRule, load_token_rule
-from worker.visual_tokens import TokenSpec, VisualTokens
+from worker.tokens.visual_tokens import TokenSpec, VisualTokens
 
 
 @dataclass(frozen=True)
@@ -229,10 +229,10 @@ class ModelAdapter(ABC):
         merge_keeps: list[float],
     ) -> tuple[dict[str, Any], list[int], list[int]]:
         """Like `generation_inputs`, each row's image merged to `merge_keeps[row]` of its tokens
-        and then pruned to `prune_keeps[row]` of what is left (worker.token_reduction); every
+        and then pruned to `prune_keeps[row]` of what is left (worker.tokens.reduction); every
         token that stays keeps its original position. Also returns the tokens pruned and merged
         away per row."""
-        from worker.token_reduction import reduce_inputs
+        from worker.tokens.reduction import reduce_inputs
 
         return reduce_inputs(
             self, self.generation_inputs(prompts, visuals), visuals, prune_keeps, merge_keeps

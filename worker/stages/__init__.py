@@ -6,8 +6,8 @@
   generate  a loop that keeps the engine's window full and stores results as they finish
 
 Each stage owns its counters, holds and closing: whatever takes a job's countdown to 0 closes
-it. The embedded run (worker.embedded) connects the stages with bounded queues in one process;
-the fleet (worker.tasks) runs the same functions in Celery tasks, like datatrove's local and
+it. The embedded run (worker.drivers.embedded) connects the stages with bounded queues in one process;
+the fleet (worker.drivers.tasks) runs the same functions in Celery tasks, like datatrove's local and
 Slurm executors run the same steps. Nothing here imports torch at module level: the ingest
 stage runs on CPU-only machines.
 """

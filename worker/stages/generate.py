@@ -37,9 +37,9 @@ from storage import repository as repo
 from storage.models import UnitStatus
 from storage.rows import ResultRow, UnitTask
 from worker import metrics
-from worker.request_builder import Prepared
 from worker.retry import describe
 from worker.runtime import Runtime
+from worker.tokens.request_builder import Prepared
 
 log = logging.getLogger(__name__)
 
@@ -508,7 +508,7 @@ class GenerateService:
         except BaseException as exc:  # noqa: BLE001 - reported to every waiter and to the driver
             log.exception("generate service failed")
             self.error = exc
-            self._closing.set()  # no more submissions: a new service takes over (worker.tasks)
+            self._closing.set()  # no more submissions: a new service takes over (worker.drivers.tasks)
         finally:
             # What was not stored must be done elsewhere: its submitters hear why.
             loop.drop_all(self.error or ServiceClosed("the generate service stopped"))

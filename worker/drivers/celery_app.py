@@ -1,0 +1,96 @@
+"""The Celery app of the fleet: one queue per stage, JSON only, safe for long GPU tasks.
+
+Settings that come from real incidents (see DESIGN.md):
+- acks_late + reject_on_worker_lost: a task whose worker dies (OOM killer, SIGKILL, node
+  loss) goes back to the queue instead of being lost;
+- the Redis visibility timeout is above the hard time limit, or Redis would hand a task that
+  is still running to a second worker (celery#5935);
+- prefetch 1 per pool slot: a CPU worker holds only what its processes run, and a GPU worker's
+  thread pool holds exactly the window of units its engine works on (worker.drivers.tasks);
+- JSON serialization only: no pickle anywhere, tensors travel through the token cache.
+
+Brokers: RabbitMQ (recommended) hands an unacknowledged message to another worker as soon as its
+worker's connection drops; Redis only after the visibility timeout, so tasks are kept short (ingest
+by page range, generate by unit) and the timeout is minutes, not hours. `VISBATCH_BROKER_PREFIX`
+keeps several fleets apart on one broker: a key prefix on Redis, a queue-name prefix on RabbitMQ.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from storage import usage
+from storage.settings import Settings
+from worker.drivers import broker_redis
+
+QUEUES = ("ingest", "encode", "generate")
+TASKS = {
+    "ingest": "visbatch.ingest_source",
+    "encode": "visbatch.encode_units",
+    "generate": "visbatch.generate_units",
+}
+
+
+def queue_name(settings: Settings, stage: str) -> str:
+    """The broker queue of a stage (prefixed on RabbitMQ, where key prefixes do not exist)."""
+    return f"{settings.broker_prefix}{stage}" if is_amqp(settings.broker_url) else stage
+
+
+def is_amqp(url: str) -> bool:
+    return url.split("://", 1)[0] in ("amqp", "amqps", "pyamqp")
+
+
+def is_plain_redis(url: str) -> bool:
+    return url.split("://", 1)[0] == "redis"
+
+
+def make_celery(settings: Settings) -> Celery:
+    if settings.visibility_timeout <= settings.task_time_limit:
+        raise ValueError(
+            f"VISBATCH_VISIBILITY_TIMEOUT ({settings.visibility_timeout}s) must be above "
+            f"VISBATCH_TASK_TIME_LIMIT ({settings.task_time_limit}s), or Redis redelivers running tasks"
+        )
+    app = Celery("visbatch", broker=settings.broker_url, include=["worker.drivers.tasks"])
+    transport = {
+        "visibility_timeout": settings.visibility_timeout,
+        "unacked_restore_interval": settings.unacked_restore_interval,
+        "unacked_restore_throttle": 1,
+        "socket_timeout": 30,
+        "socket_connect_timeout": 10,
+        "health_check_interval": 25,
+    }
+    if settings.broker_prefix and not is_amqp(settings.broker_url):
+        transport["global_keyprefix"] = settings.broker_prefix
+    if is_amqp(settings.broker_url):
+        # Redis-only options would be ignored; AMQP redelivers on a dropped connection instead.
+        transport = {"confirm_publish": True}
+    app.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        event_serializer="json",
+        accept_content=["json"],
+        # Results live in the database; Celery's result backend is not used.
+        task_ignore_result=True,
+        task_store_errors_even_if_ignored=False,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_time_limit=settings.task_time_limit,
+        task_soft_time_limit=max(1, int(settings.task_time_limit * 0.9)),
+        broker_transport_options=transport,
+        # redis:// gets kombu's transport with its broker-restart crash fixed (worker.drivers.broker_redis).
+        **({"broker_transport": broker_redis.TRANSPORT} if is_plain_redis(settings.broker_url) else {}),
+        broker_connection_retry_on_startup=True,
+        task_default_queue=queue_name(settings, "ingest"),
+        task_routes={task: {"queue": queue_name(settings, stage)} for stage, task in TASKS.items()},
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
+    )
+    return app
+
+
+app = make_celery(Settings())
+usage.watch_celery()  # capacity tests only: a no-op unless VISBATCH_USAGE_DIR
+
+# Every worker runs the safety net for stuck jobs once it is ready (a thread; worker.drivers.stall_watch).
+import worker.drivers.stall_watch  # noqa: E402, F401

@@ -1,0 +1,162 @@
+"""Which stage queues have a worker consuming them, and how many messages wait in each: what
+`visbatch submit` warns about, what `visbatch status` says, and what the stall watch asks before it
+calls a job stuck.
+
+RabbitMQ knows its consumers: a passive queue declare answers with the queue's message and
+consumer counts in one round trip. Redis has none to ask (workers poll its lists), and Celery's
+broadcast `inspect` costs its whole timeout and goes unanswered by a worker busy in a solo pool; so
+on Redis each worker announces the queues it consumes (a sorted set per queue in the broker Redis,
+member = the worker, score = its last heartbeat), from the thread that looks for stalled jobs
+(worker.drivers.stall_watch), and takes itself out on a warm shutdown. A worker killed outright drops out
+once its heartbeat is FRESH_S old.
+
+Every call here is bounded by a timeout of about a second and answers None when the broker cannot
+tell: a warning that cannot be given is left out, never a submit slowed or failed (a broker that is
+down already fails the submit itself).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from storage.settings import Settings
+
+# A worker heartbeats every stall_check_s (30 s, jittered up to 1.5x): three of them may be missed
+# before it counts as gone.
+FRESH_S = 135.0
+# Kombu's Redis transport keeps one list per priority step: the queue's name, then name + sep + step.
+_REDIS_PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
+
+
+@dataclass(frozen=True, slots=True)
+class QueueState:
+    messages: int  # waiting to be taken (not counting those a worker holds unacknowledged)
+    consumers: int  # workers consuming it (Redis: workers whose heartbeat is fresh)
+
+
+def is_redis(url: str) -> bool:
+    return url.split("://", 1)[0] in ("redis", "rediss")
+
+
+def consumers_key(settings: Settings, stage: str) -> str:
+    """The sorted set of the workers consuming a stage's queue (Redis), under the fleet's prefix."""
+    return f"{settings.broker_prefix}visbatch.consumers.{stage}"
+
+
+def _redis(settings: Settings, timeout: float) -> Any:
+    import redis
+
+    return redis.Redis.from_url(settings.broker_url, socket_timeout=timeout, socket_connect_timeout=timeout)
+
+
+def queue_states(
+    settings: Settings, stages: Sequence[str], *, timeout: float = 1.0
+) -> dict[str, QueueState] | None:
+    """Messages waiting and consumers of each stage's queue; None when the broker cannot tell
+    (unreachable within `timeout`, or a transport this does not know)."""
+    from worker.drivers.celery_app import is_amqp
+
+    try:
+        if is_redis(settings.broker_url):
+            return _redis_states(settings, stages, timeout)
+        if is_amqp(settings.broker_url):
+            return _amqp_states(settings, stages, timeout)
+    except Exception:  # noqa: BLE001 - unknown is an answer here; the caller says nothing
+        return None
+    return None
+
+
+def _redis_states(settings: Settings, stages: Sequence[str], timeout: float) -> dict[str, QueueState]:
+    client = _redis(settings, timeout)
+    try:
+        pipe = client.pipeline(transaction=False)
+        fresh = time.time() - FRESH_S
+        for stage in stages:
+            for suffix in _REDIS_PRIORITY_SUFFIXES:
+                pipe.llen(f"{settings.broker_prefix}{stage}{suffix}")
+            pipe.zcount(consumers_key(settings, stage), fresh, "+inf")
+        replies = pipe.execute()
+    finally:
+        client.close()
+    step = len(_REDIS_PRIORITY_SUFFIXES) + 1
+    return {
+        stage: QueueState(
+            sum(int(n) for n in replies[i * step : (i + 1) * step - 1]), int(replies[(i + 1) * step - 1])
+        )
+        for i, stage in enumerate(stages)
+    }
+
+
+def _amqp_states(settings: Settings, stages: Sequence[str], timeout: float) -> dict[str, QueueState]:
+    from kombu import Connection
+
+    from worker.drivers.celery_app import queue_name
+
+    states: dict[str, QueueState] = {}
+    with Connection(settings.broker_url, connect_timeout=timeout) as conn:
+        # One quick try: no pause between retries (kombu waits 2 s by default).
+        conn.ensure_connection(
+            max_retries=1, interval_start=0, interval_step=0, interval_max=0, timeout=timeout
+        )
+        for stage in stages:
+            # A fresh channel per queue: AMQP closes a channel whose passive declare fails.
+            with conn.channel() as channel:
+                try:
+                    ok = channel.queue_declare(queue=queue_name(settings, stage), passive=True)
+                except Exception as exc:
+                    if "NOT_FOUND" not in str(exc) and "404" not in str(exc):
+                        raise
+                    states[stage] = QueueState(0, 0)  # never declared: nobody ever consumed it
+                else:
+                    states[stage] = QueueState(int(ok.message_count), int(ok.consumer_count))
+    return states
+
+
+def stages_without_consumer(
+    settings: Settings, stages: Sequence[str], *, timeout: float = 1.0
+) -> list[str] | None:
+    """The stages among `stages` whose queue no worker consumes; None when the broker cannot tell."""
+    states = queue_states(settings, stages, timeout=timeout)
+    if states is None:
+        return None
+    return [stage for stage in stages if states[stage].consumers == 0]
+
+
+def announce(settings: Settings, worker: str, stages: Iterable[str], *, timeout: float = 2.0) -> None:
+    """Say (Redis) that `worker` consumes these stages' queues now; RabbitMQ needs no word."""
+    if not is_redis(settings.broker_url):
+        return
+    client = _redis(settings, timeout)
+    try:
+        pipe = client.pipeline(transaction=False)
+        now = time.time()
+        for stage in stages:
+            key = consumers_key(settings, stage)
+            pipe.zadd(key, {worker: now})
+            pipe.zremrangebyscore(key, "-inf", now - FRESH_S)  # workers that died without a word
+            pipe.expire(key, int(FRESH_S * 2))  # a fleet that is gone leaves nothing behind
+        pipe.execute()
+    finally:
+        client.close()
+
+
+def withdraw(settings: Settings, worker: str, stages: Iterable[str], *, timeout: float = 2.0) -> None:
+    """Take `worker` out of its queues' consumers (Redis) on a warm shutdown."""
+    if not is_redis(settings.broker_url):
+        return
+    client = _redis(settings, timeout)
+    try:
+        pipe = client.pipeline(transaction=False)
+        for stage in stages:
+            pipe.zrem(consumers_key(settings, stage), worker)
+        pipe.execute()
+    finally:
+        client.close()
+
+
+def start_hint(stages: Sequence[str]) -> str:
+    """The command that starts a worker for these stages."""
+    return f"start one: visbatch worker --queues {','.join(stages)}"

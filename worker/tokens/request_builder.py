@@ -1,0 +1,142 @@
+"""From a unit and its job's prompts to engine requests, and from generations to result rows.
+
+A unit's visual tokens are read from the cache once and shared by all its prompts, whose
+requests reach the engine together (so vLLM's prefix cache serves the image's blocks to every
+prompt after the first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ingest.budget import PixelBounds
+from ingest.spec import JobSpec
+from storage.rows import ResultRow, UnitTask
+from worker.engines.base import EngineRequest, Generation
+from worker.engines.structured import validate_output
+from worker.models.base import ModelAdapter
+from worker.tokens.store import VisualTokenStore
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One request ready for the engine, or the reason it cannot be asked (`error`)."""
+
+    unit: UnitTask
+    spec: JobSpec
+    prompt_index: int
+    request: EngineRequest | None
+    error: str | None = None
+
+
+class RequestBuilder:
+    def __init__(
+        self, adapter: ModelAdapter, tokens: VisualTokenStore, *, model_name: str, engine_name: str
+    ) -> None:
+        self.adapter = adapter
+        self.tokens = tokens
+        self.model_name = model_name
+        self.engine_name = engine_name
+        self._text_tokens: dict[str, int] = {}
+
+    def text_tokens(self, prompt: str) -> int:
+        """Prompt tokens besides the image placeholders (template included)."""
+        if prompt not in self._text_tokens:
+            self._text_tokens[prompt] = len(self.adapter.prompt_ids(prompt, None))
+        return self._text_tokens[prompt]
+
+    def prepare(self, unit: UnitTask, spec: JobSpec, prompt_indexes: list[int]) -> list[Prepared]:
+        """The unit asked each of these prompts of its job; its tokens read once for all of them."""
+        # The resize bounds the unit was counted with at ingest (its job's budget); None: the model's.
+        bounds = PixelBounds.of(unit.min_pixels, unit.max_pixels)
+        try:
+            if unit.image_key is None:
+                raise ValueError("the unit has no image")
+            visual = self.tokens.for_policy(spec.cache).get(unit.image_key, bounds)
+        except Exception as exc:
+            error = f"visual tokens unavailable: {type(exc).__name__}: {exc}"
+            return [Prepared(unit, spec, p, None, error) for p in prompt_indexes]
+        cache_key = self.tokens.cache_key(unit.image_key, bounds)
+        s = spec.sampling
+        return [
+            Prepared(
+                unit,
+                spec,
+                p,
+                EngineRequest(
+                    prompt_ids=self.adapter.prompt_ids(spec.prompts[p], visual),
+                    visual=visual,
+                    cache_key=cache_key,
+                    max_new_tokens=s.max_new_tokens,
+                    temperature=s.temperature,
+                    top_p=s.top_p,
+                    seed=s.seed,
+                    json_schema=spec.json_schema,
+                    prune_keep=spec.budget.prune_keep,
+                    merge_keep=spec.budget.merge_keep,
+                    prompt=spec.prompts[p],
+                ),
+            )
+            for p in prompt_indexes
+        ]
+
+    def row(self, prepared: Prepared, outcome: Generation | None, latency_ms: float) -> ResultRow:
+        """The result of one request: its answer (validated against the schema), or its error."""
+        unit, spec, request = prepared.unit, prepared.spec, prepared.request
+        prompt_tokens = (
+            len(request.prompt_ids) - request.visual.num_tokens
+            if request is not None
+            else self.text_tokens(spec.prompts[prepared.prompt_index])
+        )
+        common = dict(
+            unit_id=unit.unit_id,
+            prompt_index=prepared.prompt_index,
+            prompt_tokens=prompt_tokens,
+            visual_tokens=unit.visual_tokens or 0,
+            model=self.model_name,
+            engine=self.engine_name,
+            cache_hit=bool(unit.cache_hit),
+            latency_ms=latency_ms,
+        )
+        error = prepared.error
+        if outcome is not None and outcome.error is not None:
+            error = outcome.error  # the engine refused this request alone; the others ran
+        if outcome is None or error is not None:
+            return ResultRow(
+                output=None, text=None, error=error, completion_tokens=0, finish_reason=None, **common
+            )
+        output = None
+        text = without_nul(outcome.text)
+        if spec.json_schema is not None:
+            output, error = validate_output(text, spec.json_schema)
+            output = without_nul(output)
+            if error and outcome.finish_reason == "length":
+                # Say what to change: a small or confused model can fill any budget with digits
+                # of one number, which only a larger budget or a bounded schema stops.
+                error += (
+                    f" (cut off at max_new_tokens={spec.sampling.max_new_tokens}: raise --max-new-tokens, "
+                    "or bound the schema with maxLength/maxItems)"
+                )
+        return ResultRow(
+            output=output,
+            text=text,
+            error=error,
+            completion_tokens=len(outcome.token_ids),
+            finish_reason=outcome.finish_reason,
+            pruned_tokens=outcome.pruned_tokens,
+            merged_tokens=outcome.merged_tokens,
+            **common,
+        )
+
+
+def without_nul(value: Any) -> Any:
+    """Model output with every NUL character replaced (U+FFFD): PostgreSQL's text and JSONB refuse
+    NUL, and one such answer must not fail a whole batch of results."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, list):
+        return [without_nul(v) for v in value]
+    if isinstance(value, dict):
+        return {without_nul(k): without_nul(v) for k, v in value.items()}
+    return value
