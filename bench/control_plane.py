@@ -399,7 +399,7 @@ def _child(broker: str, n: int, work: str) -> dict[str, Any]:
     from sqlalchemy import create_engine
 
     from ingest.spec import IngestOptions, JobSpec, Sampling
-    from storage.settings import Settings
+    from visbatch.settings import Settings
     from worker.runtime import Runtime
 
     logging.disable(logging.WARNING)

@@ -14,7 +14,7 @@ from typing import Any
 from ingest.spec import JobSpec
 from storage import repository as repo
 from storage.models import UnitStatus
-from storage.settings import Settings
+from visbatch.settings import Settings
 from worker.drivers.embedded import start_local_job
 from worker.runtime import Runtime
 from worker.stages.encode import encode_units

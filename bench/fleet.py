@@ -50,7 +50,7 @@ def main() -> None:
         work = Path(tmp)
         fleet = BenchFleet(work, model, url)
         os.environ.update(fleet.env)  # before worker.drivers.celery_app is imported (by submit_job)
-        from storage.settings import Settings
+        from visbatch.settings import Settings
         from worker.drivers.embedded import run_job
         from worker.drivers.submit import submit_job
         from worker.runtime import Runtime

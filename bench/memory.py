@@ -80,7 +80,7 @@ def embedded_child(pdf: Path, home: Path, model: Path) -> dict:
     from bench.embedded import quiet
     from ingest.spec import JobSpec
     from storage import repository as repo
-    from storage.settings import Settings
+    from visbatch.settings import Settings
     from worker.drivers.embedded import ingest_only
     from worker.runtime import Runtime
 
@@ -129,7 +129,7 @@ def worker_child(pdf: Path, work: Path, model: Path) -> dict:
         os.environ.update(fleet.env)
         from sqlalchemy import text
 
-        from storage.settings import Settings
+        from visbatch.settings import Settings
         from worker.drivers.submit import submit_job
         from worker.runtime import Runtime
 

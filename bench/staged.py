@@ -11,7 +11,7 @@ from pathlib import Path
 from bench.embedded import quiet, run_staged
 from ingest.budget import VisualBudget
 from ingest.spec import JobSpec, Sampling
-from storage.settings import Settings
+from visbatch.settings import Settings
 from worker.runtime import Runtime
 
 

@@ -145,7 +145,7 @@ class _Snapshot:
 def _embedded(arm: str, quick: bool, counters: dict[str, Any]) -> dict[str, Any]:
     from bench.embedded import quiet
     from storage import repository as repo
-    from storage.settings import Settings
+    from visbatch.settings import Settings
     from worker.drivers.embedded import run_job
     from worker.runtime import Runtime
 
@@ -170,7 +170,7 @@ def _fleet(arm: str, quick: bool, work: Path, counters: dict[str, Any]) -> dict[
     from bench.fleet_proc import BenchFleet
     from bench.media import report_pdf
     from storage import repository as repo
-    from storage.settings import Settings
+    from visbatch.settings import Settings
     from worker.drivers.submit import submit_job
     from worker.runtime import Runtime
 

@@ -37,7 +37,7 @@ def main() -> None:
     from ingest.spec import IngestOptions, JobSpec, Sampling
     from storage import repository as repo
     from storage.models import UnitStatus
-    from storage.settings import Settings
+    from visbatch.settings import Settings
     from worker.drivers.embedded import ingest_only
     from worker.runtime import Runtime
     from worker.stages.encode import encode_units

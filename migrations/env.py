@@ -27,7 +27,7 @@ def _url() -> str:
     url = config.get_main_option("sqlalchemy.url")
     if url:
         return url
-    from storage.settings import Settings
+    from visbatch.settings import Settings
 
     return Settings().sqlalchemy_url()
 

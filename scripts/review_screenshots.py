@@ -24,10 +24,10 @@ sys.path.insert(0, str(ROOT))
 
 from ingest.budget import VisualBudget  # noqa: E402
 from ingest.spec import IngestOptions, JobSpec, Sampling  # noqa: E402
-from storage.settings import Settings  # noqa: E402
 from tests.browser import chromium, load_all_images  # noqa: E402
 from tests.media import write_pdf, write_video  # noqa: E402
 from tests.review_jobs import OK_SCHEMA, make_job, write_review_inputs  # noqa: E402
+from visbatch.settings import Settings  # noqa: E402
 
 CLI = [sys.executable, "-c", "from worker.cli.main import app; app(prog_name='visbatch')"]
 

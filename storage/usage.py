@@ -1,6 +1,6 @@
 """What this process asks of the database and the broker, counted: capacity tests only.
 
-Off by default. With ``VISBATCH_USAGE_DIR`` set (storage.settings declares it; read here once,
+Off by default. With ``VISBATCH_USAGE_DIR`` set (visbatch.settings declares it; read here once,
 at import), every process that opens a database or publishes a Celery task counts:
 
 - SQL: statements by verb and first table (an ``executemany`` is one statement), parameter sets,
@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from storage.settings import SETTINGS
+from visbatch.settings import SETTINGS
 
 ENV = SETTINGS["usage_dir"].env  # VISBATCH_USAGE_DIR, declared with the other settings
 DIRECTORY: Path | None = Path(os.environ[ENV]) if os.environ.get(ENV) else None

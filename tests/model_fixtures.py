@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from storage.settings import Settings
+from visbatch.settings import Settings
 
 
 @pytest.fixture(scope="session")

@@ -20,8 +20,8 @@ from sqlalchemy import update
 from ingest.spec import IngestOptions, JobSpec, Sampling
 from storage.db import Database
 from storage.review import RESULTS
-from storage.settings import Settings
 from tests.media import write_pdf
+from visbatch.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -90,7 +90,7 @@ def test_a_vllm_engine_for_a_family_it_cannot_run_is_refused_before_any_weight_l
     job asking for a vLLM engine fails at once with the family's reason and what to set instead,
     not as an unexpected "model could not be loaded" after its weights were read."""
     from ingest.token_rules import UnsupportedModel
-    from storage.settings import Settings
+    from visbatch.settings import Settings
     from worker.runtime import Runtime
 
     rt = Runtime(Settings(home=tmp_path / "home", model=str(family_model_dir("idefics3")), engine=engine))

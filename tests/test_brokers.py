@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from storage.settings import Settings
 from tests.fleet_harness import Fleet
 from tests.media import write_pdf
+from visbatch.settings import Settings
 
 # Budget: ~50 s on 2 cores today (a fleet per test, on each broker); to be tightened (issue 20).
 pytestmark = [pytest.mark.slow, pytest.mark.budget(180, reason="a fleet per test, on each broker")]

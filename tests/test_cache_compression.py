@@ -12,9 +12,9 @@ import torch
 from ingest.pdf import render_pdf_pages
 from ingest.stage import store_image
 from storage.object_store import LocalObjectStore
-from storage.settings import SettingError
 from storage.token_cache import FolderTokenCache
 from tests.media import write_pdf
+from visbatch.settings import SettingError
 from worker.tokens.store import VisualTokenStore
 from worker.tokens.visual_tokens import COMPRESSED_MAGIC, InvalidVisualTokens, VisualTokens
 

@@ -17,10 +17,10 @@ from storage import repository as repo
 from storage.db import Database
 from storage.models import RESULTS, SOURCES, UNITS
 from storage.review import iter_unit_pairs
-from storage.settings import Settings
 from tests.browser import chromium, load_all_images
 from tests.media import write_pdf, write_video
 from tests.review_jobs import make_job, run_cli
+from visbatch.settings import Settings
 from worker.review.compare import CompareError, compare_jobs, compare_json, leaves, terminal_safe
 
 pytestmark = pytest.mark.slow

@@ -453,7 +453,7 @@ def test_refuses_an_inbox_holding_the_store_or_the_cache(
 ) -> None:
     """Before: `watch s3://bucket/` with the store at s3://bucket/store moved the store's images and
     cached tokens to done/ and made a job of each."""
-    from storage.settings import Settings
+    from visbatch.settings import Settings
     from worker.drivers.drop_guard import WatcherRefused
 
     s3_client.put_object(Bucket=s3_bucket, Key="store/images/ab/cd.png", Body=b"png")

@@ -172,7 +172,7 @@ def _wait_for_a_page(home: Path, job: str, proc: subprocess.Popen) -> None:
     from sqlalchemy import text
 
     from storage.db import Database
-    from storage.settings import Settings
+    from visbatch.settings import Settings
 
     db = Database(Settings(home=home).sqlalchemy_url())
     deadline = time.monotonic() + 120

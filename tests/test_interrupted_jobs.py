@@ -24,9 +24,9 @@ import pytest
 
 from storage import jobs
 from storage.models import utcnow
-from storage.settings import Settings
 from tests.media import write_slow_pdf
 from tests.test_first_hour import VISBATCH, _env, visbatch
+from visbatch.settings import Settings
 from worker.drivers.job_activity import job_activity, parse_process, process_gone, shown_status, this_process
 
 # Budget: two `visbatch run`s on the tiny model stopped mid-job, one resume, ~15 status/jobs calls

@@ -16,8 +16,8 @@ from rich.console import Console
 
 from storage import jobs
 from storage.models import utcnow
-from storage.settings import Settings
 from tests.media import write_pdf
+from visbatch.settings import Settings
 from worker.cli.output import print_summary
 from worker.drivers.consumers import announce, stages_without_consumer, withdraw
 from worker.drivers.job_activity import job_activity

@@ -118,7 +118,7 @@ def test_reading_commands_load_no_orm_no_job_spec(env, tiny_model_dir, command):
     job in the embedded SQLite database."""
     from storage.db import Database
     from storage.repository import create_job
-    from storage.settings import Settings
+    from visbatch.settings import Settings
 
     db = Database(Settings(home=Path(env["VISBATCH_HOME"])).sqlalchemy_url())
     db.upgrade()

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from storage.errors import is_transient
-from storage.settings import Settings
 from tests.vllm.helpers import SCHEMA, encode, random_image, request
+from visbatch.settings import Settings
 from worker.engines import make_engine, resolve_engine_name
 from worker.engines.openai_engine import (
     LLMServerNotConfigured,

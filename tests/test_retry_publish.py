@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy.exc
 from celery.exceptions import Reject, Retry
 
-from storage.settings import Settings
+from visbatch.settings import Settings
 from worker.drivers.celery_app import make_celery
 from worker.drivers.tasks import StageTask, retrying
 

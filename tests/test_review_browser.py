@@ -20,7 +20,6 @@ import pytest
 from sqlalchemy import text as sql
 
 from storage.db import Database
-from storage.settings import Settings
 from tests.browser import chromium, load_all_images, require_browser, wait_for
 from tests.review_jobs import (
     HOSTILE_OUTPUT,
@@ -30,6 +29,7 @@ from tests.review_jobs import (
     overwrite_answer,
     write_review_inputs,
 )
+from visbatch.settings import Settings
 
 pytestmark = pytest.mark.slow
 

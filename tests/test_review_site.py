@@ -17,7 +17,6 @@ from sqlalchemy import text as sql
 from storage.db import Database
 from storage.object_store import open_object_store
 from storage.review import ResultView, UnitView, unit_image_key
-from storage.settings import Settings
 from tests.review_jobs import (
     HOSTILE_OUTPUT,
     HOSTILE_TEXT,
@@ -26,6 +25,7 @@ from tests.review_jobs import (
     run_cli,
     write_review_inputs,
 )
+from visbatch.settings import Settings
 from worker.review.export import export_site
 from worker.review.html import render_json, render_unit
 from worker.review.images import Thumbnails

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ingest.spec import JobSpec
-from storage.settings import Settings
+from visbatch.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = [p for d in ("ingest", "storage", "worker") for p in (ROOT / d).rglob("*.py")]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from storage.settings import DEFAULT_MODEL, SETTINGS, SecretStr, SettingError, Settings
+from visbatch.settings import DEFAULT_MODEL, SETTINGS, SecretStr, SettingError, Settings
 
 
 @pytest.fixture(autouse=True)

@@ -15,8 +15,8 @@ from storage import jobs
 from storage.db import Database
 from storage.models import utcnow
 from storage.rows import UnitRow
-from storage.settings import Settings
 from storage.units import add_units, finish_units, mark_units_encoded
+from visbatch.settings import Settings
 from worker.drivers.consumers import QueueState
 from worker.drivers.stall_watch import resume_stalled_jobs
 

@@ -17,8 +17,8 @@ from sqlalchemy import text
 from ingest.spec import IngestOptions, JobSpec, Sampling
 from storage import repository as repo
 from storage.db import Database
-from storage.settings import Settings
 from tests.media import write_pdf, write_slow_pdf
+from visbatch.settings import Settings
 from worker.drivers.embedded import EmbeddedRun
 from worker.runtime import Runtime
 

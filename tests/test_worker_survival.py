@@ -131,7 +131,7 @@ def test_a_taken_metrics_port_moves_to_the_next_free_one(caplog):
 
 
 def test_a_metrics_failure_is_a_warning_never_the_workers_end(caplog, monkeypatch):
-    from storage.settings import Settings
+    from visbatch.settings import Settings
     from worker import metrics
     from worker.cli import main as cli
 

@@ -65,7 +65,7 @@ def first_line(text: object) -> str:
 
 def _database_url() -> str:
     from storage.db import mask_url
-    from storage.settings import Settings
+    from visbatch.settings import Settings
 
     try:
         return mask_url(Settings().sqlalchemy_url())
@@ -98,7 +98,7 @@ def explain(exc: BaseException) -> UserError | None:
     # The Celery broker (kombu) for `submit`, `cancel`, `worker`.
     if module.startswith(("kombu", "amqp")):
         from storage.db import mask_url
-        from storage.settings import Settings
+        from visbatch.settings import Settings
 
         return UserError(
             f"cannot reach the broker {mask_url(Settings().broker_url)}: {first_line(exc)}",
@@ -125,8 +125,8 @@ def explain(exc: BaseException) -> UserError | None:
         return UserError(str(exc), MODEL_FIX, EXIT_UNAVAILABLE)
     if isinstance(exc, UnsupportedModel):
         return UserError(str(exc), "use a model of a supported family (docs/engines.md)", EXIT_USAGE)
-    from storage.settings import SettingError
     from storage.sql import NotFound
+    from visbatch.settings import SettingError
 
     if isinstance(exc, SettingError):
         return UserError(

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from ingest.limits import Limits
 from storage.db import Database
 from storage.errors import TransientFault, describe
-from storage.settings import Settings
+from visbatch.settings import Settings
 
 if TYPE_CHECKING:
     from ingest.isolation import IsolatedSplitter
@@ -215,7 +215,7 @@ class Runtime:
         from worker.tokens.store import VisualTokenStore
 
         if self.settings.cache_compression not in ("none", "zstd"):
-            from storage.settings import SettingError
+            from visbatch.settings import SettingError
 
             raise SettingError(
                 f"VISBATCH_CACHE_COMPRESSION={self.settings.cache_compression!r}: use none or zstd"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from storage.settings import Settings
+from visbatch.settings import Settings
 from worker.engines import make_engine, resolve_engine_name
 from worker.engines import vllm_engine as vllm_module
 

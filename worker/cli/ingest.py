@@ -84,7 +84,7 @@ def _token_counter(model: str | None):
     (else a usage error); a chosen one that cannot be read only costs the counts, with a note.
     """
     from ingest.token_rules import load_token_rule
-    from storage.settings import Settings
+    from visbatch.settings import Settings
 
     settings = Settings()
     chosen = settings.model if settings.model_origin != "default" else None

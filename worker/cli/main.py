@@ -22,7 +22,7 @@ from typing import Annotated, Any
 
 import typer
 
-from storage.settings import Settings
+from visbatch.settings import Settings
 from worker.cli.group import VisbatchGroup
 from worker.cli.output import make_console, print_summary, shown_path, token_lines
 from worker.cli.purge import register as _register_purge
@@ -94,7 +94,8 @@ def watch(
     # A daemon's log is its only voice: the watcher's own lines at INFO by default, whatever the
     # other commands' quieter default (libraries stay at the root level; --verbose wins).
     if logging.getLogger().level != logging.DEBUG:
-        logging.getLogger("ingest").setLevel(level)
+        for name in ("worker.drivers", "ingest"):  # the watcher, its guard and stall watch; ingest's
+            logging.getLogger(name).setLevel(level)
     default = None
     if spec_file is not None:
         try:
@@ -466,7 +467,7 @@ def model_use(
 ) -> None:
     """Make this model the default of the commands run here ($VISBATCH_HOME/config.json);
     VISBATCH_MODEL and --model still win."""
-    from storage.settings import write_home_config
+    from visbatch.settings import write_home_config
     from worker.runtime import resolve_model_name
 
     folder = Path(model).expanduser()

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from storage.settings import Settings
+from visbatch.settings import Settings
 from worker.cli.output import is_terminal
 from worker.errors import UserError
 from worker.options import DEFAULT_PLAN_PROMPT, JobOptions, job_options

@@ -53,7 +53,7 @@ def purge(
 
     from storage import retention
     from storage.models import utcnow
-    from storage.settings import Settings
+    from visbatch.settings import Settings
     from worker.runtime import Runtime
 
     # soft_wrap: a line is never cut at the terminal width (scripts read these lines).

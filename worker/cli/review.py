@@ -19,7 +19,7 @@ from rich.text import Text
 if TYPE_CHECKING:
     from storage.db import Database
     from storage.object_store import ObjectStore
-    from storage.settings import Settings
+    from visbatch.settings import Settings
 
 console = Console(stderr=True)
 
@@ -35,7 +35,7 @@ def _open() -> tuple[Settings, Database, ObjectStore]:
     # Imported here: the main CLI registers these commands at start-up, which must stay cheap.
     from storage.db import Database
     from storage.object_store import open_object_store
-    from storage.settings import Settings
+    from visbatch.settings import Settings
 
     settings = Settings()
     db = Database(settings.sqlalchemy_url())

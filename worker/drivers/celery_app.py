@@ -20,7 +20,7 @@ from __future__ import annotations
 from celery import Celery
 
 from storage import usage
-from storage.settings import Settings
+from visbatch.settings import Settings
 from worker.drivers import broker_redis
 
 QUEUES = ("ingest", "encode", "generate")

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from storage.settings import Settings
+from visbatch.settings import Settings
 
 # A worker heartbeats every stall_check_s (30 s, jittered up to 1.5x): three of them may be missed
 # before it counts as gone.

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from storage.models import utcnow
-from storage.settings import Settings
+from visbatch.settings import Settings
 from worker.drivers.consumers import start_hint
 
 STAGES = ("ingest", "encode", "generate")

@@ -40,7 +40,7 @@ from celery.signals import worker_ready, worker_shutting_down
 from storage import jobs
 from storage.db import Database
 from storage.models import utcnow
-from storage.settings import Settings
+from visbatch.settings import Settings
 from worker.drivers.consumers import QueueState
 from worker.drivers.job_activity import format_duration
 

@@ -14,7 +14,7 @@ from ingest.spec import JobSpec
 from ingest.stage import expand_paths, file_sha256
 from storage import repository as repo
 from storage.models import FINISHED_JOB_STATUSES
-from storage.settings import Settings
+from visbatch.settings import Settings
 from worker.runtime import Runtime
 from worker.stages.start import SourceInput, SourceToIngest, start_job
 

@@ -37,7 +37,7 @@ from storage import repository as repo
 from storage.db import Database
 from storage.models import FINISHED_JOB_STATUSES, UnitStatus
 from storage.rows import UnitTask
-from storage.settings import Settings
+from visbatch.settings import Settings
 from worker import metrics
 from worker.drivers.celery_app import app
 from worker.retry import RetryPolicy, describe, is_transient

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from worker.engines.base import Engine, EngineRequest, Generation, RequestRejected
 
 if TYPE_CHECKING:
-    from storage.settings import Settings
+    from visbatch.settings import Settings
     from worker.models.base import ModelAdapter
 
 log = logging.getLogger(__name__)
@@ -50,17 +50,17 @@ def make_engine(name: str, adapter: ModelAdapter, settings: Settings | None = No
             adapter, token_budget=settings.token_budget, max_batch_size=settings.max_batch_size
         )
     if resolved == "vllm":
-        from storage.settings import Settings
+        from visbatch.settings import Settings
         from worker.engines.vllm_engine import VLLMEngine, VLLMOptions
 
         return VLLMEngine(adapter, VLLMOptions.from_settings(settings or Settings()))
     if resolved == "load":  # capacity tests only (bench/control_plane.py)
-        from storage.settings import Settings
+        from visbatch.settings import Settings
         from worker.engines.load_engine import make_load_engine
 
         return make_load_engine(adapter, settings or Settings())
     if resolved == "openai":
-        from storage.settings import Settings
+        from visbatch.settings import Settings
         from worker.engines.openai_engine import OpenAIEngine, OpenAIOptions
 
         return OpenAIEngine(adapter, OpenAIOptions.from_settings(settings or Settings()))

@@ -67,7 +67,7 @@ from worker.models.base import ModelAdapter
 from worker.retry import RetryPolicy, describe, is_transient
 
 if TYPE_CHECKING:
-    from storage.settings import Settings
+    from visbatch.settings import Settings
 
 log = logging.getLogger(__name__)
 

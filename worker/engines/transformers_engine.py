@@ -27,7 +27,7 @@ from worker.tokens.packing import PackItem, pack_by_tokens
 
 log = logging.getLogger(__name__)
 
-# Defaults of VISBATCH_TOKEN_BUDGET / VISBATCH_MAX_BATCH_SIZE (storage.settings).
+# Defaults of VISBATCH_TOKEN_BUDGET / VISBATCH_MAX_BATCH_SIZE (visbatch.settings).
 DEFAULT_TOKEN_BUDGET = 16384
 DEFAULT_MAX_BATCH_SIZE = 16
 

@@ -44,7 +44,7 @@ from worker.models.base import ModelAdapter
 from worker.tokens.visual_tokens import InvalidVisualTokens, TokenSpec
 
 if TYPE_CHECKING:
-    from storage.settings import Settings
+    from visbatch.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,10 @@
 """Settings from the environment (``VISBATCH_*``), the one place where the shape is chosen.
 
 A stage never asks "am I embedded or in a fleet?": it gets URLs from here and
-builds its store, cache and database from them (see ``storage.factory``).
+builds its store, cache and database from them (worker.runtime). Every layer reads settings
+(storage, ingest, worker, the CLI and the Python API): this module imports nothing of the
+project, and the ``visbatch`` package loads its API only on first use, so reading them here costs
+nothing else.
 
 Each setting is declared once, below, with its type, default, bounds and description; a value
 comes from a keyword argument, else from ``VISBATCH_<NAME>`` (an empty one counts as unset),
