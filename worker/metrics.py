@@ -2,9 +2,10 @@
 
 The stages count what they do (worker.stages: units, results, tokens, engine time); the token
 store counts cache lookups by tier; at scrape time two collectors read what is not a count of
-this process's work: the depth of each broker queue (workers) and how many jobs are in each
-state (the database). Names follow Prometheus' conventions: `visbatch_` prefix, `_total` on
-counters, units in the name (`_seconds`).
+this process's work: the depth of each queue (asked of the broker by the worker, of its own
+queues by the embedded run: each driver hands its collector in) and how many jobs are in each
+state (the database). This module knows no driver. Names follow Prometheus' conventions:
+`visbatch_` prefix, `_total` on counters, units in the name (`_seconds`).
 
 A prefork ingest worker runs its tasks in child processes: `serve` then uses prometheus_client's
 multiprocess mode (PROMETHEUS_MULTIPROC_DIR, which `visbatch worker` sets before this module is
@@ -134,26 +135,3 @@ def job_states(database_url: str) -> JobStatesCollector:
 
     db = Database(database_url)
     return JobStatesCollector(lambda: repo.job_counts_by_status(db))
-
-
-def broker_queues(settings: Any) -> QueueDepthCollector:
-    """Depth of each stage's queue, asked of the broker (RabbitMQ or Redis) at scrape time."""
-    from worker.drivers.celery_app import QUEUES, app, queue_name
-
-    def depth() -> dict[str, int]:
-        out = {}
-        with app.connection_for_read() as conn:
-            for stage in QUEUES:
-                # A fresh channel per queue: AMQP closes a channel whose passive declare fails.
-                with conn.channel() as channel:
-                    try:
-                        found = channel.queue_declare(queue=queue_name(settings, stage), passive=True)
-                    except Exception as exc:  # no such queue yet (Redis: an empty list does not exist)
-                        if "NOT_FOUND" not in str(exc) and "404" not in str(exc):
-                            raise
-                        out[stage] = 0
-                    else:
-                        out[stage] = int(found.message_count)
-        return out
-
-    return QueueDepthCollector(depth)

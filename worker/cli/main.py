@@ -304,9 +304,14 @@ def _serve_worker_metrics(settings: Settings, port: int | None, *, prefork: bool
 
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="visbatch-metrics-")
         from worker import metrics
+        from worker.drivers.celery_app import QUEUES
+        from worker.drivers.consumers import queue_depths
 
         wanted = settings.metrics_port if port is None else port
-        collectors = [metrics.job_states(settings.sqlalchemy_url()), metrics.broker_queues(settings)]
+        collectors = [
+            metrics.job_states(settings.sqlalchemy_url()),
+            metrics.QueueDepthCollector(lambda: queue_depths(settings, QUEUES)),
+        ]
         server = metrics.serve(wanted, collectors=collectors, span=metrics.PORT_SPAN)
     except Exception as exc:
         log.warning("metrics off: %s: %s (the worker runs without them)", type(exc).__name__, exc)

@@ -115,6 +115,14 @@ def _amqp_states(settings: Settings, stages: Sequence[str], timeout: float) -> d
     return states
 
 
+def queue_depths(settings: Settings, stages: Sequence[str]) -> dict[str, int]:
+    """Messages waiting in each stage's queue, for the metrics' queue-depth gauge (scrape time)."""
+    states = queue_states(settings, stages)
+    if states is None:
+        raise ConnectionError("the broker did not answer")  # the collector logs it, no sample
+    return {stage: state.messages for stage, state in states.items()}
+
+
 def stages_without_consumer(
     settings: Settings, stages: Sequence[str], *, timeout: float = 1.0
 ) -> list[str] | None:
