@@ -30,7 +30,7 @@ from worker.engines.openai_engine import (
     encode_tensor,
     vllm_serve_args,
 )
-from worker.engines.vllm_engine import VLLMUnsupportedFamily
+from worker.engines.vllm_common import VLLMUnsupportedFamily
 from worker.retry import RetryPolicy
 from worker.tokens.visual_tokens import VisualTokens
 

@@ -57,12 +57,14 @@ import torch
 from worker.engines.base import EngineRequest, Generation, RequestRejected, StepEngine
 from worker.engines.vllm_common import (
     GenerationDefaults,
+    PrefixCacheCounts,
     ReductionWarnings,
+    VLLMUnsupportedFamily,
+    check_request,
     completion_ids,
     generation_defaults,
     schema_string,
 )
-from worker.engines.vllm_engine import PrefixCacheCounts, VLLMUnsupportedFamily, check_request
 from worker.models.base import ModelAdapter
 from worker.retry import RetryPolicy, describe, is_transient
 

@@ -17,9 +17,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from worker.engines.base import RequestRejected
+from worker.tokens.visual_tokens import InvalidVisualTokens
+
 if TYPE_CHECKING:
     from worker.engines.base import EngineRequest
     from worker.models.base import ModelAdapter
+    from worker.tokens.visual_tokens import TokenSpec
 
 
 @dataclass(frozen=True)
@@ -84,3 +88,25 @@ class ReductionWarnings:
                     "fewer tokens, or VISBATCH_ENGINE=transformers to %s",
                     what, verb, keep, self.engine_label, verb,
                 )  # fmt: skip
+
+
+class VLLMUnsupportedFamily(ValueError):
+    """The vLLM engines were asked for a model family whose cached tokens vLLM cannot take."""
+
+
+def check_request(request: EngineRequest, spec: TokenSpec) -> None:
+    """Raise RequestRejected unless the request's visual tokens fit the model exactly."""
+    try:
+        request.visual.check(spec)
+    except InvalidVisualTokens as exc:
+        raise RequestRejected(str(exc)) from None
+    if request.max_new_tokens < 1:
+        raise RequestRejected("max_new_tokens must be at least 1")
+
+
+@dataclass
+class PrefixCacheCounts:
+    """This engine's prompt tokens and how many of them vLLM's prefix cache served (exact)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0

@@ -35,13 +35,15 @@ import torch
 from worker.engines.base import EngineRequest, Generation, RequestRejected, StepEngine
 from worker.engines.vllm_common import (
     GenerationDefaults,
+    PrefixCacheCounts,
     ReductionWarnings,
+    VLLMUnsupportedFamily,
+    check_request,
     completion_ids,
     generation_defaults,
     schema_string,
 )
 from worker.models.base import ModelAdapter
-from worker.tokens.visual_tokens import InvalidVisualTokens, TokenSpec
 
 if TYPE_CHECKING:
     from visbatch.settings import Settings
@@ -56,10 +58,6 @@ INSTALL_HINT = (
 
 class VLLMUnavailable(RuntimeError):
     """The vllm engine was asked for where vLLM is not installed."""
-
-
-class VLLMUnsupportedFamily(ValueError):
-    """The vllm engine was asked for a model family whose cached tokens vLLM cannot take."""
 
 
 def vllm_available() -> bool:
@@ -100,24 +98,6 @@ _LLMS: dict[tuple[str, str | None, str, VLLMOptions], Any] = {}
 
 def _torch_dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def check_request(request: EngineRequest, spec: TokenSpec) -> None:
-    """Raise RequestRejected unless the request's visual tokens fit the model exactly."""
-    try:
-        request.visual.check(spec)
-    except InvalidVisualTokens as exc:
-        raise RequestRejected(str(exc)) from None
-    if request.max_new_tokens < 1:
-        raise RequestRejected("max_new_tokens must be at least 1")
-
-
-@dataclass
-class PrefixCacheCounts:
-    """This engine's prompt tokens and how many of them vLLM's prefix cache served (exact)."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
 
 
 def _add_request(llm: Any, request_id: str, prompt: dict[str, Any], params: Any) -> None:
