@@ -97,7 +97,7 @@ def test_a_vllm_engine_for_a_family_it_cannot_run_is_refused_before_any_weight_l
     with pytest.raises(UnsupportedModel) as refused:
         _ = rt.adapter
     message = str(refused.value)
-    assert f"VISBATCH_ENGINE={engine} cannot run idefics3 models" in message
+    assert f"VISBATCH_ENGINE={engine} cannot run idefics3:" in message
     assert adapter_class("idefics3").vllm_unsupported in message
     assert "VISBATCH_ENGINE=transformers" in message
     assert "adapter" not in rt.__dict__  # nothing kept: the job fails as it starts

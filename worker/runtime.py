@@ -162,13 +162,6 @@ class Runtime:
         return splitter
 
     @_LoadedOnce
-    def engine_name(self) -> str:
-        """vllm, transformers or openai: what `VISBATCH_ENGINE` means for this model on this machine."""
-        from worker.engines import resolve_engine_name
-
-        return resolve_engine_name(self.settings.engine, self.adapter)
-
-    @_LoadedOnce
     def adapter(self) -> ModelAdapter:
         """The model's adapter (its files read; the weights come with `load_model`)."""
         from worker.models import ModelRef, load_adapter
@@ -181,18 +174,20 @@ class Runtime:
         )
         with _model_errors(f"model {self.model_name}"):
             adapter = load_adapter(ref)
-            from ingest.token_rules import UnsupportedModel
-            from worker.engines import resolve_engine_name
+            from worker.engines import choose_engine, needs_language_model
 
-            engine = resolve_engine_name(self.settings.engine, adapter)
-            if engine in ("vllm", "openai") and adapter.vllm_unsupported:
-                # Said before any weight loads, as the setting's error it is (not a model fault).
-                raise UnsupportedModel(
-                    f"VISBATCH_ENGINE={engine} cannot run {adapter.family} models ({self.model_name}): "
-                    f"{adapter.vllm_unsupported}; use VISBATCH_ENGINE=transformers (or auto)"
-                )
-            adapter.vision_only = engine != "transformers"
+            # Resolved once, here, because it decides what of the model loads (the tower alone
+            # when another engine generates); a family the engine cannot take fails now.
+            engine = choose_engine(self.settings.engine, adapter)
+            adapter.vision_only = not needs_language_model(engine)
+        self.__dict__["_engine_name"] = engine
         return adapter
+
+    @property
+    def engine_name(self) -> str:
+        """vllm, transformers, openai or load: what `VISBATCH_ENGINE` means for this model here."""
+        _ = self.adapter
+        return self.__dict__["_engine_name"]
 
     def load_model(self) -> ModelAdapter:
         """The adapter with its processor and weights loaded: once per process, under the lock
@@ -235,8 +230,8 @@ class Runtime:
         from worker.engines import make_engine
 
         adapter = self.load_model()
-        with _model_errors(f"engine {self.settings.engine} for {self.model_name}"):
-            return make_engine(self.settings.engine, adapter, self.settings)
+        with _model_errors(f"engine {self.engine_name} for {self.model_name}"):
+            return make_engine(self.engine_name, adapter, self.settings)
 
     @_LoadedOnce
     def requests(self) -> RequestBuilder:
@@ -252,19 +247,17 @@ class Runtime:
         self.load_model()
         engine = self.engine
         _ = self.requests, self.tokens
-        if self.adapter.vision_only:  # another engine generates (in process: its LLM loads now)
-            with _LOAD_LOCK, _model_errors(f"engine {engine.name} for {self.model_name}"):
-                _ = getattr(engine, "llm", None)
+        with _LOAD_LOCK, _model_errors(f"engine {engine.name} for {self.model_name}"):
+            engine.warm_up()  # an in-process vLLM builds its LLM now
 
     @property
     def generate_window(self) -> int:
         """Requests kept in flight in the engine (VISBATCH_GENERATE_WINDOW; default by engine)."""
         if self.settings.generate_window is not None:
             return self.settings.generate_window
-        # vLLM schedules hundreds of sequences at once (Ray Data LLM keeps 256 per replica), in
-        # process or as a server; transformers runs static batches, so a few batches' worth to pack from.
-        # The load engine (capacity tests) stands for a vLLM GPU.
-        return 256 if self.engine.name in ("vllm", "openai", "load") else 4 * self.settings.max_batch_size
+        from worker.engines import default_window
+
+        return default_window(self.engine_name, self.settings.max_batch_size)
 
     def kill_splitters(self) -> None:
         """Kill every splitting child (from any thread): a stopping run ends its renders at once."""

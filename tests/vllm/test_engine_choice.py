@@ -12,6 +12,7 @@ import torch
 from visbatch.settings import Settings
 from worker.engines import make_engine, resolve_engine_name
 from worker.engines import vllm_engine as vllm_module
+from worker.engines.vllm_common import VLLMUnsupportedFamily
 
 
 class FakeAdapter:
@@ -92,9 +93,7 @@ def test_auto_picks_transformers_for_a_family_vllm_cannot_take(monkeypatch):
 
 def test_asking_vllm_for_such_a_family_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(vllm_module, "vllm_available", lambda: True)
-    with pytest.raises(
-        vllm_module.VLLMUnsupportedFamily, match=r"cannot run idefics3: vLLM builds .*transformers"
-    ):
+    with pytest.raises(VLLMUnsupportedFamily, match=r"cannot run idefics3: vLLM builds .*transformers"):
         make_engine("vllm", FamilyAdapter("cuda", REASON), Settings())
 
 
@@ -118,13 +117,9 @@ def test_internvl_is_refused_by_both_vllm_engines_and_auto_picks_transformers(mo
     adapter.family = "internvl"
     monkeypatch.setattr(vllm_module, "vllm_available", lambda: True)
     assert resolve_engine_name("auto", adapter) == "transformers"
-    with pytest.raises(
-        vllm_module.VLLMUnsupportedFamily, match=r"vllm cannot run internvl: vLLM 0\.32's InternVL"
-    ):
+    with pytest.raises(VLLMUnsupportedFamily, match=r"vllm cannot run internvl: vLLM 0\.32's InternVL"):
         make_engine("vllm", adapter, Settings())
-    with pytest.raises(
-        vllm_module.VLLMUnsupportedFamily, match=r"openai cannot run internvl: .*transformers"
-    ):
+    with pytest.raises(VLLMUnsupportedFamily, match=r"openai cannot run internvl: .*transformers"):
         OpenAIEngine(adapter, OpenAIOptions(url="http://127.0.0.1:9/v1"))  # nothing is contacted
 
 
@@ -157,13 +152,11 @@ def test_llava_onevision_is_refused_by_both_vllm_engines_and_auto_picks_transfor
     monkeypatch.setattr(vllm_module, "vllm_available", lambda: True)
     assert resolve_engine_name("auto", adapter) == "transformers"
     with pytest.raises(
-        vllm_module.VLLMUnsupportedFamily,
+        VLLMUnsupportedFamily,
         match=r"vllm cannot run llava_onevision: vLLM 0\.32's LlavaOnevision",
     ):
         make_engine("vllm", adapter, Settings())
-    with pytest.raises(
-        vllm_module.VLLMUnsupportedFamily, match=r"openai cannot run llava_onevision: .*transformers"
-    ):
+    with pytest.raises(VLLMUnsupportedFamily, match=r"openai cannot run llava_onevision: .*transformers"):
         OpenAIEngine(adapter, OpenAIOptions(url="http://127.0.0.1:9/v1"))  # nothing is contacted
 
 

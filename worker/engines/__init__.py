@@ -1,4 +1,6 @@
-"""Engines behind one interface; the pipeline picks one by name and never branches on it.
+"""Engines behind one interface; the pipeline picks one by name and never branches on it: what
+it must know of an engine (does it need the adapter's language model, how many requests to keep
+in flight) is asked here (`choose_engine`, `needs_language_model`, `default_window`).
 
 `VISBATCH_ENGINE` is `vllm`, `transformers`, `openai`, or `auto` (the default): vLLM where it can
 be imported, the model runs on a GPU and vLLM can take the family's cached tokens; transformers
@@ -22,6 +24,39 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ENGINES = ("vllm", "transformers", "openai", "load")
+# Fed the cached tokens through vLLM (in process, or a `vllm serve`): a family whose tokens vLLM
+# cannot take is refused by these.
+_VLLM_FED = ("vllm", "openai")
+# vLLM schedules hundreds of sequences at once (Ray Data LLM keeps 256 per replica), in process or
+# as a server; the load engine stands for a vLLM GPU. transformers runs static batches: a few
+# batches' worth to pack from.
+_VLLM_WINDOW = 256
+_BATCHES_IN_WINDOW = 4
+
+
+def choose_engine(setting: str, adapter: ModelAdapter) -> str:
+    """The engine `setting` (VISBATCH_ENGINE) means for this model, resolved once for a runtime;
+    VLLMUnsupportedFamily (an UnsupportedModel) when it is a vLLM engine and vLLM cannot take the
+    family's cached tokens: said as the job starts, before any weight loads."""
+    name = resolve_engine_name(setting, adapter)
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine {setting!r} (available: auto, {', '.join(ENGINES)})")
+    if name in _VLLM_FED:
+        from worker.engines.vllm_common import refuse_unsupported_family
+
+        refuse_unsupported_family(name, adapter)
+    return name
+
+
+def needs_language_model(name: str) -> bool:
+    """Whether the engine generates with the adapter's own language model (transformers); the
+    others take the cached tokens elsewhere, so only the vision tower loads in this process."""
+    return name == "transformers"
+
+
+def default_window(name: str, max_batch_size: int) -> int:
+    """Requests kept in flight in the engine when VISBATCH_GENERATE_WINDOW is not set."""
+    return _BATCHES_IN_WINDOW * max_batch_size if name == "transformers" else _VLLM_WINDOW
 
 
 def resolve_engine_name(name: str, adapter: ModelAdapter) -> str:
@@ -73,6 +108,9 @@ __all__ = [
     "EngineRequest",
     "Generation",
     "RequestRejected",
+    "choose_engine",
+    "default_window",
     "make_engine",
+    "needs_language_model",
     "resolve_engine_name",
 ]

@@ -76,6 +76,8 @@ class Engine(Protocol):
 
     def request_abort(self, request_ids: Iterable[str]) -> None: ...
 
+    def warm_up(self) -> None: ...
+
     @property
     def unfinished(self) -> int: ...
 
@@ -93,6 +95,10 @@ class StepEngine(ABC):
 
     def request_abort(self, request_ids: Iterable[str]) -> None:
         self._aborts.update(request_ids)
+
+    def warm_up(self) -> None:
+        """Load what the first step would (an in-process vLLM builds its LLM here); most have nothing."""
+        return None
 
     def _take_aborts(self, live: Iterable[str]) -> set[str]:
         """The aborts asked for requests still here; forgotten once taken."""

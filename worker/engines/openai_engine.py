@@ -59,10 +59,10 @@ from worker.engines.vllm_common import (
     GenerationDefaults,
     PrefixCacheCounts,
     ReductionWarnings,
-    VLLMUnsupportedFamily,
     check_request,
     completion_ids,
     generation_defaults,
+    refuse_unsupported_family,
     schema_string,
 )
 from worker.models.base import ModelAdapter
@@ -195,12 +195,7 @@ class OpenAIEngine(StepEngine):
     name = "openai"
 
     def __init__(self, adapter: ModelAdapter, options: OpenAIOptions) -> None:
-        unsupported = getattr(adapter, "vllm_unsupported", None)
-        if unsupported:
-            raise VLLMUnsupportedFamily(
-                f"VISBATCH_ENGINE=openai cannot run {adapter.family}: {unsupported}; "
-                "use VISBATCH_ENGINE=transformers (or auto, which picks it for this family)"
-            )
+        refuse_unsupported_family("openai", adapter)
         super().__init__()
         self.adapter = adapter
         self.options = options

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ingest.token_rules import UnsupportedModel
 from worker.engines.base import RequestRejected
 from worker.tokens.visual_tokens import InvalidVisualTokens
 
@@ -90,8 +91,20 @@ class ReductionWarnings:
                 )  # fmt: skip
 
 
-class VLLMUnsupportedFamily(ValueError):
-    """The vLLM engines were asked for a model family whose cached tokens vLLM cannot take."""
+class VLLMUnsupportedFamily(UnsupportedModel):
+    """A vLLM engine (in process or a server) was asked for a model family whose cached tokens
+    vLLM cannot take: the setting's error, said before any weight loads."""
+
+
+def refuse_unsupported_family(engine: str, adapter: ModelAdapter) -> None:
+    """VLLMUnsupportedFamily, with the family's reason and the setting to use, when vLLM cannot
+    take this adapter's cached tokens."""
+    unsupported = getattr(adapter, "vllm_unsupported", None)
+    if unsupported:
+        raise VLLMUnsupportedFamily(
+            f"VISBATCH_ENGINE={engine} cannot run {adapter.family}: {unsupported}; "
+            "use VISBATCH_ENGINE=transformers (or auto, which picks it for this family)"
+        )
 
 
 def check_request(request: EngineRequest, spec: TokenSpec) -> None:

@@ -37,10 +37,10 @@ from worker.engines.vllm_common import (
     GenerationDefaults,
     PrefixCacheCounts,
     ReductionWarnings,
-    VLLMUnsupportedFamily,
     check_request,
     completion_ids,
     generation_defaults,
+    refuse_unsupported_family,
     schema_string,
 )
 from worker.models.base import ModelAdapter
@@ -116,12 +116,7 @@ class VLLMEngine(StepEngine):
         # Fail at construction, with the fix, rather than at the first batch.
         if not vllm_available():
             raise VLLMUnavailable(f"VISBATCH_ENGINE=vllm but vLLM is not installed: {INSTALL_HINT}")
-        unsupported = getattr(adapter, "vllm_unsupported", None)
-        if unsupported:
-            raise VLLMUnsupportedFamily(
-                f"VISBATCH_ENGINE=vllm cannot run {adapter.family}: {unsupported}; "
-                "use VISBATCH_ENGINE=transformers (or auto, which picks it for this family)"
-            )
+        refuse_unsupported_family("vllm", adapter)
         self.adapter = adapter
         self.options = options or VLLMOptions()
         super().__init__()
@@ -136,6 +131,9 @@ class VLLMEngine(StepEngine):
     def _key(self) -> tuple[str, str | None, str, VLLMOptions]:
         ref = self.adapter.ref
         return (ref.source, ref.revision, _torch_dtype_name(self.adapter.dtype), self.options)
+
+    def warm_up(self) -> None:
+        _ = self.llm
 
     @property
     def llm(self) -> Any:
