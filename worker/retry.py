@@ -1,20 +1,25 @@
 """The one retry policy: which errors are worth another try, and how long to wait before it.
 
 A transient error (a database, Redis or S3 that is down or slow, a timeout, a 5xx or a
-throttle) is never recorded as a unit's failure while tries remain: the stage raises it, and
-the driver tries again with exponential backoff and jitter (the Celery tasks through Celery's
-autoretry, the embedded run through `RetryPolicy.call`). Only an error that retrying cannot fix
-(a bad image, a schema violation), or the last try's, becomes a unit's error, with its real
-cause in the message.
+throttle; storage.errors classifies, once) is never recorded as a unit's failure while tries
+remain: the stage raises it, and whoever runs it tries again with exponential backoff and jitter.
+`RetryPolicy.next_wait` is the one decision (another try or not, after how long; it counts and
+logs the retry), applied three ways: `call` (the embedded driver and the stages' own database
+reads and writes), `acall` (the LLM server engine's requests) and the Celery tasks' `retrying`
+(worker.drivers.tasks), which hand the wait to Celery as the retry's countdown so that a worker
+never sleeps holding a message. Only an error that retrying cannot fix (a bad image, a schema
+violation), or the last try's, becomes a unit's error, with its real cause in the message.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -37,22 +42,49 @@ class RetryPolicy:
         """Seconds before try `attempt + 1` (attempt 0 is the first retry): exponential, jittered."""
         return min(self.backoff_max_s, self.backoff_base_s**attempt) * (0.5 + random.random())
 
+    def next_wait(
+        self,
+        exc: BaseException,
+        attempt: int,
+        *,
+        what: str,
+        explain: Callable[[BaseException], str] = describe,
+    ) -> float | None:
+        """Seconds to wait before trying `what` again after `exc` failed try `attempt + 1`; None
+        when it is not to be tried again (a permanent error, or the tries are spent): the caller
+        then lets it fail. `explain` words the error for the log (never a secret)."""
+        if not is_transient(exc) or attempt >= self.max_retries:
+            return None
+        wait = self.delay(attempt)
+        metrics.RETRIES.labels(type(exc).__name__).inc()
+        log.warning("%s: %s; retrying in %.1f s (%d/%d)", what, explain(exc), wait, attempt + 1,
+                    self.max_retries)  # fmt: skip
+        return wait
+
     def call(self, fn: Callable[[], T], *, what: str, stop: threading.Event | None = None) -> T:
         """Run `fn`, retrying transient errors up to max_retries times; other errors, and the last
         transient one, propagate. `stop` cuts a backoff short (the run is being stopped)."""
-        attempt = 0
-        while True:
+        for attempt in itertools.count():
             try:
                 return fn()
             except Exception as exc:
-                if not is_transient(exc) or attempt >= self.max_retries:
-                    raise
-                wait = self.delay(attempt)
-                metrics.RETRIES.labels(type(exc).__name__).inc()
-                log.warning("%s: %s; retrying in %.1f s (%d/%d)", what, describe(exc), wait, attempt + 1,
-                            self.max_retries)  # fmt: skip
-                attempt += 1
-                if stop is not None and stop.wait(wait):
+                wait = self.next_wait(exc, attempt, what=what)
+                if wait is None or (stop is not None and stop.wait(wait)):
                     raise
                 if stop is None:
                     time.sleep(wait)
+        raise AssertionError("unreachable")
+
+    async def acall(
+        self, fn: Callable[[], Awaitable[T]], *, what: str, explain: Callable[[BaseException], str] = describe
+    ) -> T:
+        """`call` for a coroutine function: the backoff sleeps without holding the event loop."""
+        for attempt in itertools.count():
+            try:
+                return await fn()
+            except Exception as exc:
+                wait = self.next_wait(exc, attempt, what=what, explain=explain)
+                if wait is None:
+                    raise
+                await asyncio.sleep(wait)
+        raise AssertionError("unreachable")

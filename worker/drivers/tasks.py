@@ -38,9 +38,8 @@ from storage.db import Database
 from storage.models import FINISHED_JOB_STATUSES, UnitStatus
 from storage.rows import UnitTask
 from visbatch.settings import Settings
-from worker import metrics
 from worker.drivers.celery_app import app
-from worker.retry import RetryPolicy, describe, is_transient
+from worker.retry import RetryPolicy, describe
 from worker.runtime import Runtime
 from worker.stages.ingest import local_copy
 
@@ -131,20 +130,19 @@ def retrying(fn: Callable[..., str]) -> Callable[..., str]:
         except (Reject, Retry):
             raise
         except Exception as exc:
-            if is_transient(exc) and self.request.retries < POLICY.max_retries:
-                metrics.RETRIES.labels(type(exc).__name__).inc()
-                log.warning("%s: %s; retry %d", self.name, describe(exc), self.request.retries + 1)
-                try:
-                    raise self.retry(exc=exc, countdown=POLICY.delay(self.request.retries)) from exc
-                except Reject as unpublished:
-                    # Celery could not publish the retry (the broker is away too) and would drop
-                    # the message (Reject, requeue=False). Leave it to the broker instead: a
-                    # requeue, or, if even that cannot be sent, an unacknowledged message that
-                    # the broker hands out again (RabbitMQ at once, Redis after its timeout).
-                    log.warning("%s: retry not published (%s); the message stays with the broker",
-                                self.name, unpublished.reason)  # fmt: skip
-                    raise Reject(f"retry not published: {describe(exc)}", requeue=True) from exc
-            raise
+            wait = POLICY.next_wait(exc, self.request.retries, what=self.name)
+            if wait is None:
+                raise
+            try:
+                raise self.retry(exc=exc, countdown=wait) from exc
+            except Reject as unpublished:
+                # Celery could not publish the retry (the broker is away too) and would drop the
+                # message (Reject, requeue=False). Leave it to the broker instead: a requeue, or,
+                # if even that cannot be sent, an unacknowledged message that the broker hands
+                # out again (RabbitMQ at once, Redis after its timeout).
+                log.warning("%s: retry not published (%s); the message stays with the broker",
+                            self.name, unpublished.reason)  # fmt: skip
+                raise Reject(f"retry not published: {describe(exc)}", requeue=True) from exc
 
     return run
 

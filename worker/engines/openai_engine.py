@@ -285,31 +285,31 @@ class OpenAIEngine(StepEngine):
     async def _post(self, content: bytes) -> dict | Generation:
         """POST with retries of transient failures; the server's JSON answer, or a failed Generation."""
         assert self._client is not None
-        retry = self.options.retry
-        for attempt in itertools.count():
-            try:
-                response = await self._client.post(
-                    "chat/completions", content=content, headers={"Content-Type": "application/json"}
+        client, tries = self._client, 0
+
+        async def once() -> dict:
+            nonlocal tries
+            tries += 1
+            response = await client.post(
+                "chat/completions", content=content, headers={"Content-Type": "application/json"}
+            )
+            response.raise_for_status()
+            answer = response.json()
+            if not isinstance(answer, dict):
+                raise ValueError(f"the server answered a JSON {type(answer).__name__}, not an object")
+            return answer
+
+        try:
+            return await self.options.retry.acall(once, what="LLM server", explain=failure_text)
+        except Exception as exc:
+            if is_transient(exc):
+                return Generation.failed(
+                    f"the LLM server failed {tries} tries, the last: {failure_text(exc)}"
                 )
-                response.raise_for_status()
-                answer = response.json()
-                if not isinstance(answer, dict):
-                    raise ValueError(f"the server answered a JSON {type(answer).__name__}, not an object")
-                return answer
-            except Exception as exc:
-                if not is_transient(exc):
-                    what = "refused the request" if isinstance(exc, httpx.HTTPStatusError) else "call failed"
-                    return Generation.failed(f"the LLM server {what}: {failure_text(exc)}")
-                if attempt >= retry.max_retries:
-                    return Generation.failed(
-                        f"the LLM server failed {attempt + 1} tries, the last: {failure_text(exc)}"
-                    )
-                wait = retry.delay(attempt)
-                log.warning("LLM server: %s; retrying in %.1f s (%d/%d)",
-                            failure_text(exc), wait, attempt + 1, retry.max_retries)  # fmt: skip
-                self.retries += 1
-                await asyncio.sleep(wait)
-        raise AssertionError("unreachable")
+            what = "refused the request" if isinstance(exc, httpx.HTTPStatusError) else "call failed"
+            return Generation.failed(f"the LLM server {what}: {failure_text(exc)}")
+        finally:
+            self.retries += tries - 1
 
     # --- the request ---------------------------------------------------------------------------
 
