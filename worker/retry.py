@@ -29,7 +29,14 @@ from worker import metrics
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-__all__ = ["RetryPolicy", "describe", "is_transient"]
+__all__ = ["RetryPolicy", "describe", "failure_message", "is_transient"]
+
+
+def failure_message(stage: str, exc: BaseException, tries: int) -> str:
+    """What a stage's `give_up` records on its source or units: the real cause, and the tries when
+    it was retried ("encode failed after 9 tries: ..."; a permanent error is tried once)."""
+    after = f" after {tries} tries" if tries > 1 else ""
+    return f"{stage} failed{after}: {describe(exc)}"
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,11 @@ class RetryPolicy:
         log.warning("%s: %s; retrying in %.1f s (%d/%d)", what, explain(exc), wait, attempt + 1,
                     self.max_retries)  # fmt: skip
         return wait
+
+    def tries_spent(self, exc: BaseException) -> int:
+        """How many tries `call` made before it raised `exc` (unstopped): one for a permanent
+        error, all of them for a transient one. What a driver's `give_up` reports."""
+        return self.max_retries + 1 if is_transient(exc) else 1
 
     def call(self, fn: Callable[[], T], *, what: str, stop: threading.Event | None = None) -> T:
         """Run `fn`, retrying transient errors up to max_retries times; other errors, and the last

@@ -17,6 +17,7 @@ A stop (SIGINT/SIGTERM, see `stop`) aborts what is in flight at once and ends th
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -36,9 +37,12 @@ from storage.models import FINISHED_JOB_STATUSES, UnitStatus
 from storage.rows import UnitTask
 from worker.retry import describe
 from worker.runtime import Runtime
-from worker.stages.encode import encode_units, give_up
+from worker.stages.encode import encode_units
+from worker.stages.encode import give_up as give_up_encode
 from worker.stages.generate import GenerateService
+from worker.stages.generate import give_up as give_up_generate
 from worker.stages.ingest import IngestStep, ingest_source, local_copy
+from worker.stages.ingest import give_up as give_up_ingest
 from worker.stages.start import SourceInput, SourceToIngest, reopen_job, start_job
 
 log = logging.getLogger(__name__)
@@ -244,7 +248,15 @@ class EmbeddedRun:
                         selection=UnitSelection(skip=skip), on_units=on_units, stop=self.stop,
                     )  # fmt: skip
 
-            step = self.rt.retry.call(ingest, what=f"ingest {source.uri}", stop=self.stop)
+            try:
+                step = self.rt.retry.call(ingest, what=f"ingest {source.uri}", stop=self.stop)
+            except Exception as exc:
+                if self.stop.is_set():
+                    raise Stopped from exc
+                # As in the fleet: the source fails with the cause, the job goes on.
+                log.warning("ingest gave up on %s: %s", source.uri, describe(exc))
+                give_up_ingest(self.rt.db, source.source_id, exc, self.rt.retry.tries_spent(exc))
+                step = IngestStep()
             with self._counts.lock:
                 self._counts.sources_done += 1
                 self._counts.split += step.units_stored
@@ -297,22 +309,30 @@ class EmbeddedRun:
             if self.stop.is_set():
                 return
             log.warning("encode gave up on %d units: %s", len(units), describe(exc))
-            give_up(self.rt, units, exc, self.rt.retry.max_retries + 1)
+            give_up_encode(self.rt.db, [u.unit_id for u in units], exc, self.rt.retry.tries_spent(exc))
             return
         with self._counts.lock:
             self._counts.encoded += len(units)
         self.progress.update("encode", self._counts.encoded, self._counts.units)
         if step.encoded:
             future = generate.submit([(u, spec) for u in step.encoded])
-            future.add_done_callback(self._answered)
+            future.add_done_callback(functools.partial(self._answered, [u.unit_id for u in step.encoded]))
             waits.append(future)
 
-    def _answered(self, future: Future) -> None:
+    def _answered(self, unit_ids: list[int], future: Future) -> None:
         if future.cancelled():
             return
-        if future.exception() is not None:  # results that could not be stored: the run stops
-            if not self.stop.is_set():
-                self._failure = self._failure or future.exception()
+        error = future.exception()
+        if error is not None:
+            if self.stop.is_set():
+                return
+            # As in the fleet: the units fail with the cause, the job goes on; a database that
+            # cannot take even that (still away after the retries) stops the run.
+            log.warning("generate gave up on %d units: %s", len(unit_ids), describe(error))
+            try:
+                give_up_generate(self.rt.db, unit_ids, error, self.rt.retry.tries_spent(error))
+            except Exception as exc:
+                self._failure = self._failure or exc
                 self.stop.set()
             return
         with self._counts.lock:

@@ -153,16 +153,11 @@ def retrying(fn: Callable[..., str]) -> Callable[..., str]:
 class IngestTask(StageTask):
     def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
         # Retries are spent or the error is not transient: the source fails, the job goes on.
-        source_id = args[1]
-        message = f"ingest failed: {describe(exc)}"
-        if isinstance(exc, SoftTimeLimitExceeded | TimeLimitExceeded):
-            # A PDF's pages are split in ranges that end in time; a video is one task.
-            message = (
-                f"ingest failed: splitting took longer than the task time limit "
-                f"(VISBATCH_TASK_TIME_LIMIT, {SETTINGS.task_time_limit} s): sample fewer frames "
-                "(--max-frames, --fps) or raise the limit with VISBATCH_VISIBILITY_TIMEOUT above it"
-            )
-        repo.close_finished(_db(), repo.complete_source(_db(), source_id, error=message))
+        from worker.stages.ingest import give_up
+
+        timed_out = isinstance(exc, SoftTimeLimitExceeded | TimeLimitExceeded)
+        give_up(_db(), args[1], exc, self.request.retries + 1,
+                time_limit_s=SETTINGS.task_time_limit if timed_out else None)  # fmt: skip
 
 
 @app.task(base=IngestTask, bind=True, name="visbatch.ingest_source")
@@ -213,11 +208,8 @@ class EncodeTask(StageTask):
     def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
         from worker.stages.encode import give_up
 
-        job_id, unit_ids = args[0], args[1]
-        spec = _live_spec(job_id)
-        if spec is not None:
-            rt = runtime_for(spec.model)
-            give_up(rt, repo.units_by_ids(rt.db, unit_ids, UnitStatus.PENDING), exc, self.request.retries + 1)
+        if _live_spec(args[0]) is not None:  # a finished job's units are left as they are
+            give_up(_db(), args[1], exc, self.request.retries + 1)
 
 
 @app.task(base=EncodeTask, bind=True, name="visbatch.encode_units")
@@ -282,11 +274,9 @@ def _on_shutdown(**_: object) -> None:
 
 class GenerateTask(StageTask):
     def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
-        unit_ids = args[1]
-        left = repo.units_by_ids(_db(), unit_ids, UnitStatus.ENCODED)
-        if left:
-            message = f"generate failed: {describe(exc)}"
-            repo.close_finished(_db(), repo.fail_units(_db(), [(u.unit_id, message) for u in left]))
+        from worker.stages.generate import give_up
+
+        give_up(_db(), args[1], exc, self.request.retries + 1)
 
 
 @app.task(base=GenerateTask, bind=True, name="visbatch.generate_units")

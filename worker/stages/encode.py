@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 
 from ingest.budget import PixelBounds
 from storage import repository as repo
+from storage.db import Database
 from storage.models import UnitStatus
 from storage.rows import UnitTask
 from worker import metrics
-from worker.retry import describe
+from worker.retry import failure_message
 from worker.runtime import Runtime
 
 
@@ -58,9 +59,10 @@ def encode_units(rt: Runtime, units: list[UnitTask], cache: str = "cold") -> Enc
     return step
 
 
-def give_up(rt: Runtime, units: list[UnitTask], exc: BaseException, tries: int) -> dict[str, str]:
-    """The last try failed: the units still pending fail with the real cause; returns closed jobs."""
-    message = f"encode failed after {tries} tries: {describe(exc)}"
-    metrics.ERRORS.labels("encode", "retries_exhausted").inc(len(units))
-    still = repo.units_by_ids(rt.db, [u.unit_id for u in units], UnitStatus.PENDING)
-    return repo.close_finished(rt.db, repo.fail_units(rt.db, [(u.unit_id, message) for u in still]))
+def give_up(db: Database, unit_ids: list[int], exc: BaseException, tries: int) -> dict[str, str]:
+    """The last try failed: the units still pending fail with the real cause, the job goes on
+    (both drivers call this). Returns the jobs it closed."""
+    message = failure_message("encode", exc, tries)
+    still = repo.units_by_ids(db, unit_ids, UnitStatus.PENDING)
+    metrics.ERRORS.labels("encode", "retries_exhausted").inc(len(still))
+    return repo.close_finished(db, repo.fail_units(db, [(u.unit_id, message) for u in still]))

@@ -34,10 +34,11 @@ from dataclasses import dataclass, field
 
 from ingest.spec import JobSpec
 from storage import repository as repo
+from storage.db import Database
 from storage.models import UnitStatus
 from storage.rows import ResultRow, UnitTask
 from worker import metrics
-from worker.retry import describe
+from worker.retry import describe, failure_message
 from worker.runtime import Runtime
 from worker.tokens.request_builder import Prepared
 
@@ -315,7 +316,8 @@ class GenerateLoop:
                 )
             except Exception as exc:
                 # The database stayed away through every retry: these units stay encoded, and
-                # their submitters hear why (a fleet task retries them; the embedded run stops).
+                # their submitters hear why (a fleet task retries them, then gives them up; the
+                # embedded run gives them up at once: `give_up` below, in both).
                 log.error("could not store the results of %d units: %s", len(answered), describe(exc))
                 for work in answered:
                     for ticket in work.tickets:
@@ -540,3 +542,12 @@ class GenerateService:
     def close(self, timeout: float | None = None) -> None:
         self._closing.set()
         self._thread.join(timeout)
+
+
+def give_up(db: Database, unit_ids: list[int], exc: BaseException, tries: int) -> dict[str, str]:
+    """The last try failed: the units still waiting for their answers fail with the real cause,
+    the job goes on (both drivers call this). Returns the jobs it closed."""
+    message = failure_message("generate", exc, tries)
+    left = repo.units_by_ids(db, unit_ids, UnitStatus.ENCODED)
+    metrics.ERRORS.labels("generate", "retries_exhausted").inc(len(left))
+    return repo.close_finished(db, repo.fail_units(db, [(u.unit_id, message) for u in left]))
