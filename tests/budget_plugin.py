@@ -69,6 +69,11 @@ class ModuleBudget:
                     f"{module.nodeid}: write pytest.mark.budget(SECONDS, reason='why it may take that long')"
                 )
             self.allowed[module.nodeid] = (float(seconds), str(reason))
+        # The modules allowed the longest run first (a stable sort keeps each module's tests
+        # together and in order): over xdist workers (`--dist loadfile --no-loadscope-reorder`,
+        # as make test runs it), the longest jobs handed out first end the run together, rather
+        # than one long module started last running on alone.
+        items.sort(key=lambda item: -self.budget_of(_module_of(item.nodeid)))
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item):

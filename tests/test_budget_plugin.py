@@ -130,3 +130,18 @@ def test_under_xdist_the_controller_judges_and_session_fixtures_are_not_charged(
     assert "test_first.py took" not in out
     assert "test_allowed.py took" not in out  # its declared budget reached the controller
     result.stdout.fnmatch_lines(["*slowest 10 test modules*", "*test_sleepy.py"])
+
+
+def test_the_modules_allowed_the_longest_run_first(pytester: pytest.Pytester, monkeypatch) -> None:
+    """Longest first, so that over xdist workers (`make test`) a long module is never the last
+    one started; each module's tests stay together and in their order."""
+    monkeypatch.delenv("VISBATCH_MODULE_BUDGET_S", raising=False)
+    long = "import pytest\npytestmark = pytest.mark.budget({s}, reason='long')\n"
+    pytester.makepyfile(
+        test_a="def test_a1():\n    pass\n\ndef test_a2():\n    pass\n",
+        test_b=long.format(s=50) + "\ndef test_b1():\n    pass\n",
+        test_c=long.format(s=200) + "\ndef test_c1():\n    pass\n\ndef test_c2():\n    pass\n",
+    )
+    result = _run(pytester, "--collect-only", "-q")
+    names = [line.split("::")[1] for line in result.stdout.lines if "::" in line]
+    assert names == ["test_c1", "test_c2", "test_b1", "test_a1", "test_a2"]
