@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from worker.models.tiny_parts import byte_level_tokenizer, save_random_model, text_config
+
 TINY_README = """# visbatch tiny random {family}
 
 Built offline by `visbatch model tiny` from a config: RANDOM weights.
@@ -47,22 +49,7 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer():
     """A byte-level BPE tokenizer with no merges: every byte is a token, plus Qwen's specials."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=32768,
-    )
+    return byte_level_tokenizer(SPECIAL_TOKENS, CHAT_TEMPLATE, eos_token="<|im_end|>")
 
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "idefics3", "internvl")
@@ -162,19 +149,18 @@ def tiny_config(
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     head_dim = hidden_size // heads
-    text = {
-        "vocab_size": len(tokenizer),
-        "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size or hidden_size * 2,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "max_position_embeddings": 32768,
-        "rope_parameters": _rope_parameters(family, head_dim),
-        "bos_token_id": ids["<|endoftext|>"],
-        "eos_token_id": ids["<|im_end|>"],
-        "pad_token_id": ids["<|endoftext|>"],
-    }
+    text = text_config(
+        tokenizer,
+        hidden_size=hidden_size,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        intermediate_size=intermediate_size,
+        rope_parameters=_rope_parameters(family, head_dim),
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
     if family in QWEN3_FAMILIES:
         text["head_dim"] = head_dim
     if family == "qwen3_vl_moe":
@@ -262,9 +248,7 @@ def write_tiny_model(
     tiny_config's other sizes (vision_depth, heads, kv_heads, intermediate_size,
     vision_embed_dim, vision_heads).
     """
-    import torch
     import transformers
-    from transformers import GenerationConfig
 
     family = normalize_family(family)
     out = Path(out)
@@ -284,14 +268,14 @@ def write_tiny_model(
     else:
         tokenizer = build_tokenizer()
         config = tiny_config(tokenizer, family=family, hidden_size=hidden_size, layers=layers, **knobs)
-        torch.manual_seed(seed)
-        model = getattr(transformers, f"{CLASS_PREFIX[family]}ForConditionalGeneration")(config).eval()
-        model.generation_config = GenerationConfig(
+        save_random_model(
+            getattr(transformers, f"{CLASS_PREFIX[family]}ForConditionalGeneration"),
+            config,
+            out,
+            seed=seed,
             eos_token_id=config.text_config.eos_token_id,
             pad_token_id=config.text_config.pad_token_id,
-            do_sample=False,
         )
-        model.save_pretrained(out, safe_serialization=True)
         if family == "qwen3_vl_moe":
             _experts_as_published(out)
         _qwen_processor(family, tokenizer).save_pretrained(out)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from worker.models.tiny_parts import byte_level_tokenizer, save_random_model, text_config
+
 TILE = 128
 PATCH = 16
 SCALE_FACTOR = 2
@@ -38,22 +40,8 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer():
     """Byte-level tokens plus Idefics3's image, tile and turn markers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<end_of_utterance>",
-        pad_token="<|endoftext|>",
-        bos_token="<|im_start|>",
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=32768,
+    return byte_level_tokenizer(
+        SPECIAL_TOKENS, CHAT_TEMPLATE, eos_token="<end_of_utterance>", bos_token="<|im_start|>"
     )
 
 
@@ -70,9 +58,7 @@ def write_tiny_idefics3(
     vision_embed_dim: int = 64,
     vision_heads: int = 2,
 ) -> None:
-    import torch
     from transformers import (
-        GenerationConfig,
         Idefics3Config,
         Idefics3ForConditionalGeneration,
         Idefics3ImageProcessor,
@@ -82,20 +68,19 @@ def write_tiny_idefics3(
     tokenizer = build_tokenizer()
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = Idefics3Config(
-        text_config={
-            "model_type": "llama",
-            "vocab_size": len(tokenizer),
-            "hidden_size": hidden_size,
-            "intermediate_size": intermediate_size or hidden_size * 2,
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads,
-            "max_position_embeddings": 32768,
-            "rms_norm_eps": 1e-5,
-            "bos_token_id": ids["<|im_start|>"],
-            "eos_token_id": ids["<end_of_utterance>"],
-            "pad_token_id": ids["<|endoftext|>"],
-        },
+        text_config=text_config(
+            tokenizer,
+            hidden_size=hidden_size,
+            layers=layers,
+            heads=heads,
+            kv_heads=kv_heads,
+            intermediate_size=intermediate_size,
+            model_type="llama",
+            rms_norm_eps=1e-5,
+            bos_token_id=ids["<|im_start|>"],
+            eos_token_id=ids["<end_of_utterance>"],
+            pad_token_id=ids["<|endoftext|>"],
+        ),
         vision_config={
             "hidden_size": vision_embed_dim,
             "intermediate_size": 2 * vision_embed_dim,
@@ -109,15 +94,15 @@ def write_tiny_idefics3(
         pad_token_id=ids["<|endoftext|>"],
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config).eval()
-    model.generation_config = GenerationConfig(
+    save_random_model(
+        Idefics3ForConditionalGeneration,
+        config,
+        out,
+        seed=seed,
         bos_token_id=ids["<|im_start|>"],
         eos_token_id=ids["<end_of_utterance>"],
         pad_token_id=ids["<|endoftext|>"],
-        do_sample=False,
     )
-    model.save_pretrained(out, safe_serialization=True)
     image_processor = Idefics3ImageProcessor(
         size={"longest_edge": 4 * TILE},
         max_image_size={"longest_edge": TILE},

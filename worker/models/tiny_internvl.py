@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from worker.models.tiny_parts import byte_level_tokenizer, save_random_model, text_config
+
 TILE = 224
 PATCH = 14
 DOWNSAMPLE_RATIO = 0.5
@@ -59,22 +61,8 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer():
     """Byte-level tokens plus Qwen2's turn markers and InternVL's image markers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=32768,
-        extra_special_tokens=EXTRA_SPECIAL_TOKENS,
+    return byte_level_tokenizer(
+        SPECIAL_TOKENS, CHAT_TEMPLATE, eos_token="<|im_end|>", extra_special_tokens=EXTRA_SPECIAL_TOKENS
     )
 
 
@@ -91,9 +79,7 @@ def write_tiny_internvl(
     vision_embed_dim: int = 64,
     vision_heads: int = 2,
 ) -> None:
-    import torch
     from transformers import (
-        GenerationConfig,
         GotOcr2ImageProcessor,
         InternVLConfig,
         InternVLForConditionalGeneration,
@@ -104,22 +90,21 @@ def write_tiny_internvl(
     tokenizer = build_tokenizer()
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = InternVLConfig(
-        text_config={
-            "model_type": "qwen2",
-            "vocab_size": len(tokenizer),
-            "hidden_size": hidden_size,
-            "intermediate_size": intermediate_size or hidden_size * 2,
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads,
-            "max_position_embeddings": 32768,
-            "rms_norm_eps": 1e-6,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-            "tie_word_embeddings": False,
-        },
+        text_config=text_config(
+            tokenizer,
+            hidden_size=hidden_size,
+            layers=layers,
+            heads=heads,
+            kv_heads=kv_heads,
+            intermediate_size=intermediate_size,
+            model_type="qwen2",
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+            tie_word_embeddings=False,
+        ),
         vision_config={
             "hidden_size": vision_embed_dim,
             "intermediate_size": 2 * vision_embed_dim,
@@ -139,15 +124,15 @@ def write_tiny_internvl(
         projector_hidden_act="gelu",
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = InternVLForConditionalGeneration(config).eval()
-    model.generation_config = GenerationConfig(
+    save_random_model(
+        InternVLForConditionalGeneration,
+        config,
+        out,
+        seed=seed,
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
-        do_sample=False,
     )
-    model.save_pretrained(out, safe_serialization=True)
     # The hub's InternVL3 files: crop_to_patches is left False here; InternVLProcessor turns it on
     # for every call (its own defaults), which is what the token rule counts.
     image_processor = GotOcr2ImageProcessor(

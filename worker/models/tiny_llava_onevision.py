@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from worker.models.tiny_parts import byte_level_tokenizer, save_random_model, text_config
+
 TILE = 98
 PATCH = 14
 TOKENS_PER_TILE = (TILE // PATCH) ** 2
@@ -44,22 +46,7 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer():
     """Byte-level tokens plus Qwen2's turn markers and OneVision's <image> and <video>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=32768,
-    )
+    return byte_level_tokenizer(SPECIAL_TOKENS, CHAT_TEMPLATE, eos_token="<|im_end|>")
 
 
 def write_tiny_llava_onevision(
@@ -75,9 +62,7 @@ def write_tiny_llava_onevision(
     vision_embed_dim: int = 64,
     vision_heads: int = 2,
 ) -> None:
-    import torch
     from transformers import (
-        GenerationConfig,
         LlavaOnevisionConfig,
         LlavaOnevisionForConditionalGeneration,
         LlavaOnevisionImageProcessor,
@@ -88,20 +73,19 @@ def write_tiny_llava_onevision(
     tokenizer = build_tokenizer()
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = LlavaOnevisionConfig(
-        text_config={
-            "model_type": "qwen2",
-            "vocab_size": len(tokenizer),
-            "hidden_size": hidden_size,
-            "intermediate_size": intermediate_size or hidden_size * 2,
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads,
-            "max_position_embeddings": 32768,
-            "rms_norm_eps": 1e-6,
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-        },
+        text_config=text_config(
+            tokenizer,
+            hidden_size=hidden_size,
+            layers=layers,
+            heads=heads,
+            kv_heads=kv_heads,
+            intermediate_size=intermediate_size,
+            model_type="qwen2",
+            rms_norm_eps=1e-6,
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+        ),
         vision_config={
             "model_type": "siglip_vision_model",
             "hidden_size": vision_embed_dim,
@@ -121,15 +105,15 @@ def write_tiny_llava_onevision(
         projector_hidden_act="gelu",
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = LlavaOnevisionForConditionalGeneration(config).eval()
-    model.generation_config = GenerationConfig(
+    save_random_model(
+        LlavaOnevisionForConditionalGeneration,
+        config,
+        out,
+        seed=seed,
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
-        do_sample=False,
     )
-    model.save_pretrained(out, safe_serialization=True)
     image_processor = LlavaOnevisionImageProcessor(
         size={"height": TILE, "width": TILE},
         image_grid_pinpoints=PINPOINTS,
