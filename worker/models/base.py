@@ -261,3 +261,38 @@ class ModelAdapter(ABC):
     def eos_token_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id
         return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+class TiledImageAdapter(ModelAdapter):
+    """What the tile families (Idefics3, InternVL) share: an image's tokens are square tiles of
+    `tile_rule.image_seq_len` tokens each (pixel shuffle keeps each tile's grid), and the model
+    scatters one concatenated run of the batch's tokens over its image placeholders, in order."""
+
+    tile_rule: Any  # the family's tile rule (ingest.token_rules): image_seq_len tokens per tile
+
+    def generation_inputs(self, prompts: list[list[int]], visuals: list[VisualTokens]) -> dict[str, Any]:
+        input_ids, attention = self.left_padded(prompts)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention,
+            "mm_encoder_outputs": self.mm_encoder_outputs([v.embeds.to(self.dtype) for v in visuals], []),
+        }
+
+    def mm_encoder_outputs(
+        self, embeds: list[torch.Tensor], extras: list[dict[str, torch.Tensor]]
+    ) -> dict[str, Any]:
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        # One (tokens, hidden) tensor for the batch, scattered over the placeholders in order
+        # (Idefics3 before transformers 5.20 takes no per-image tuple; InternVL's placeholder check
+        # counts elements, so any leading shape works).
+        merged = torch.cat([e.to(self.device, self.dtype) for e in embeds])
+        return {"image": BaseModelOutputWithPooling(pooler_output=merged)}
+
+    def token_rows(self, visual: VisualTokens) -> list[int]:
+        """Each tile's tokens are a square grid in row-major order (pixel shuffle keeps it)."""
+        seq_len = self.tile_rule.image_seq_len
+        side = round(seq_len**0.5)
+        if side * side != seq_len:
+            return [seq_len] * (visual.num_tokens // seq_len)  # not square: a tile is one row
+        return [side] * (visual.num_tokens // side)

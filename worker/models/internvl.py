@@ -46,11 +46,11 @@ from PIL import Image
 
 from ingest.budget import PixelBounds
 from ingest.token_rules import DynamicTileRule
-from worker.models.base import ModelAdapter
+from worker.models.base import TiledImageAdapter
 from worker.tokens.visual_tokens import VisualTokens
 
 
-class InternVLAdapter(ModelAdapter):
+class InternVLAdapter(TiledImageAdapter):
     family = "internvl"
     model_class_name = "InternVLForConditionalGeneration"
     vllm_unsupported = (
@@ -156,32 +156,6 @@ class InternVLAdapter(ModelAdapter):
                 f"the visual tokens are {visual.num_tokens}"
             )
         return ids
-
-    def generation_inputs(self, prompts: list[list[int]], visuals: list[VisualTokens]) -> dict[str, Any]:
-        input_ids, attention = self.left_padded(prompts)
-        return {
-            "input_ids": input_ids,
-            "attention_mask": attention,
-            "mm_encoder_outputs": self.mm_encoder_outputs([v.embeds.to(self.dtype) for v in visuals], []),
-        }
-
-    def mm_encoder_outputs(
-        self, embeds: list[torch.Tensor], extras: list[dict[str, torch.Tensor]]
-    ) -> dict[str, Any]:
-        from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-        # One (tokens, hidden) tensor for the batch: InternVL scatters it over the <IMG_CONTEXT>
-        # positions in order (its placeholder check counts elements, so any leading shape works).
-        merged = torch.cat([e.to(self.device, self.dtype) for e in embeds])
-        return {"image": BaseModelOutputWithPooling(pooler_output=merged)}
-
-    def token_rows(self, visual: VisualTokens) -> list[int]:
-        """Each tile's tokens are a square grid in row-major order (pixel shuffle keeps it)."""
-        seq_len = self.tile_rule.image_seq_len
-        side = round(seq_len**0.5)
-        if side * side != seq_len:
-            return [seq_len] * (visual.num_tokens // seq_len)  # not square: a tile is one row
-        return [side] * (visual.num_tokens // side)
 
     # --- vLLM (refused: see the module docstring; kept for when vLLM takes varying sizes) ------
 
