@@ -21,13 +21,14 @@ Fixtures:
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
 import pytest
+
+from tests.faults import free_port
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -79,12 +80,6 @@ def redis_prefix(redis_url: str) -> Iterator[str]:
             client.delete(*keys)
     finally:
         client.close()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.faults import free_port
 from tests.fleet_harness import Fleet
 from tests.media import write_pdf
-from tests.service_fixtures import free_port
 
 pytestmark = pytest.mark.slow
 
