@@ -6,6 +6,7 @@ decides. Passwords never leave this module: ``repr`` and logs use the masked URL
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,10 +32,12 @@ _WRITE_OPTION = "visbatch_write"
 
 
 def migrations_folder() -> Path:
-    """The installed ``migrations`` package folder (independent of the working directory)."""
-    import migrations
-
-    return Path(migrations.__file__).resolve().parent
+    """The installed ``migrations`` package folder (independent of the working directory), found
+    without importing it: the migrations import storage, not the other way round."""
+    spec = importlib.util.find_spec("migrations")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the migrations package is not installed beside storage")
+    return Path(spec.submodule_search_locations[0]).resolve()
 
 
 def head_revision() -> str:
