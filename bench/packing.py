@@ -24,7 +24,7 @@ from worker.engines.base import EngineRequest
 from worker.engines.transformers_engine import TransformersEngine
 from worker.models import ModelRef, load_adapter
 from worker.tokens.packing import Batch, PackItem, pack_by_tokens, padding_waste
-from worker.tokens.visual_tokens import VisualTokens
+from worker.tokens.tensors import VisualTokens
 
 # (name, width, height, share of the images)
 SIZES = [

@@ -1,6 +1,6 @@
 """The visual-token cache: opaque bytes (safetensors) by key.
 
-It knows nothing of tensors: the worker serializes and validates entries (worker.tokens.visual_tokens,
+It knows nothing of tensors: the worker serializes and validates entries (worker.tokens.tensors,
 worker.tokens.store), and drops a bad one with ``delete`` so it gets re-encoded.
 
 Shapes:

@@ -24,7 +24,7 @@ NEUTRAL = [
     "worker/tokens/reduction.py",
     "worker/tokens/merging.py",
     "worker/tokens/pruning.py",
-    "worker/tokens/visual_tokens.py",
+    "worker/tokens/tensors.py",
 ]
 QWEN_ISMS = {
     "grid_thw",
@@ -63,7 +63,7 @@ def _code_words(path: Path) -> set[str]:
 def test_no_qwen_geometry_outside_the_qwen_adapters(module):
     used = _code_words(ROOT / module) & QWEN_ISMS
     # VisualTokens names its layout field grid_thw (kept for the cache format); only it may.
-    if module == "worker/tokens/visual_tokens.py":
+    if module == "worker/tokens/tensors.py":
         used -= {"grid_thw"}
     assert not used, f"{module} uses {sorted(used)}: move it into the family's adapter"
 

@@ -16,7 +16,7 @@ from storage.token_cache import FolderTokenCache
 from tests.media import write_pdf
 from visbatch.settings import SettingError
 from worker.tokens.store import VisualTokenStore
-from worker.tokens.visual_tokens import COMPRESSED_MAGIC, InvalidVisualTokens, VisualTokens
+from worker.tokens.tensors import COMPRESSED_MAGIC, InvalidVisualTokens, VisualTokens
 
 
 def _page_keys(store: LocalObjectStore, tmp_path: Path, pages: int = 2) -> list[str]:

@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 from worker.engines import EngineRequest, make_engine
-from worker.tokens.visual_tokens import VisualTokens
+from worker.tokens.tensors import VisualTokens
 
 # Every family (seven) generates each image twice, from pixels and from the cache, on the CPU.
 pytestmark = pytest.mark.budget(

@@ -12,7 +12,7 @@ from ingest.stage import store_image
 from storage.object_store import LocalObjectStore
 from storage.token_cache import FolderTokenCache
 from worker.tokens.store import VisualTokenStore
-from worker.tokens.visual_tokens import VisualTokens
+from worker.tokens.tensors import VisualTokens
 
 
 @pytest.fixture

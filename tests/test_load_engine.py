@@ -18,7 +18,7 @@ from worker.engines import resolve_engine_name
 from worker.engines.base import EngineRequest
 from worker.engines.load_engine import LoadEngine
 from worker.runtime import Runtime
-from worker.tokens.visual_tokens import VisualTokens
+from worker.tokens.tensors import VisualTokens
 
 pytestmark = pytest.mark.slow
 

@@ -32,7 +32,7 @@ from worker.engines.openai_engine import (
 )
 from worker.engines.vllm_common import VLLMUnsupportedFamily
 from worker.retry import RetryPolicy
-from worker.tokens.visual_tokens import VisualTokens
+from worker.tokens.tensors import VisualTokens
 
 KEY = "sk-test-never-shown-0123456789"
 

@@ -9,7 +9,7 @@ from storage import repository as repo
 from storage.rows import UnitRow, UnitTask
 from worker.engines.base import EngineRequest, Generation
 from worker.tokens.request_builder import Prepared, RequestBuilder, without_nul
-from worker.tokens.visual_tokens import VisualTokens
+from worker.tokens.tensors import VisualTokens
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
 

@@ -20,7 +20,7 @@ from storage.token_cache import (
 )
 from worker.models.base import ModelAdapter
 from worker.tokens.store import VisualTokenStore
-from worker.tokens.visual_tokens import TokenSpec, VisualTokens
+from worker.tokens.tensors import TokenSpec, VisualTokens
 
 TTL = 3600
 CAP = 64 * 1024

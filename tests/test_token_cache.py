@@ -9,7 +9,7 @@ import torch
 from storage.keys import UnsafeKey, check_key
 from storage.object_store import LocalObjectStore, ObjectNotFound
 from storage.token_cache import FolderTokenCache
-from worker.tokens.visual_tokens import InvalidVisualTokens, TokenSpec, VisualTokens
+from worker.tokens.tensors import InvalidVisualTokens, TokenSpec, VisualTokens
 
 
 def _key(n: int) -> str:

@@ -6,7 +6,7 @@ import numpy as np
 from PIL import Image
 
 from worker.engines import EngineRequest, Generation
-from worker.tokens.visual_tokens import VisualTokens
+from worker.tokens.tensors import VisualTokens
 
 NEW_TOKENS = 12
 SIZES = [(448, 448), (700, 300), (1280, 720), (97, 1500), (56, 56)]

@@ -8,7 +8,7 @@ import logging
 
 from ingest.budget import VisualBudget, job_bounds
 from tests.vllm.helpers import assert_same, random_image, request
-from worker.tokens.visual_tokens import VisualTokens
+from worker.tokens.tensors import VisualTokens
 
 
 def _encode_low(adapter) -> list[VisualTokens]:

@@ -17,7 +17,7 @@ from tests.vllm.conftest import TEST_OPTIONS, require_vllm
 from tests.vllm.helpers import SCHEMA, SIZES, assert_same, encode, random_image, request
 from worker.engines import EngineRequest
 from worker.engines.structured import validate_output
-from worker.tokens.visual_tokens import VisualTokens
+from worker.tokens.tensors import VisualTokens
 
 # Budget: a vLLM engine start (Qwen2.5-VL), 110 s on a busy 2-core machine; to be tightened.
 pytestmark = pytest.mark.budget(300, reason="a vLLM engine start on a CPU")

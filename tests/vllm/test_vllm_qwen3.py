@@ -77,7 +77,7 @@ def test_bad_deepstack_fails_alone(qwen3):
 
     import torch
 
-    from worker.tokens.visual_tokens import VisualTokens
+    from worker.tokens.tensors import VisualTokens
 
     adapter, engine, hf = qwen3
     good_vt, other_vt = encode(adapter, [random_image(280, 280, 60), random_image(560, 280, 61)])

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from worker.tokens.visual_tokens import VisualTokens
+from worker.tokens.tensors import VisualTokens
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 from ingest.token_rules import UnsupportedModel
 from worker.engines.base import RequestRejected
-from worker.tokens.visual_tokens import InvalidVisualTokens
+from worker.tokens.tensors import InvalidVisualTokens
 
 if TYPE_CHECKING:
     from worker.engines.base import EngineRequest
     from worker.models.base import ModelAdapter
-    from worker.tokens.visual_tokens import TokenSpec
+    from worker.tokens.tensors import TokenSpec
 
 
 @dataclass(frozen=True)

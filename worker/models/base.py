@@ -25,7 +25,7 @@ from PIL import Image
 
 from ingest.budget import PixelBounds, TokenGeometry
 from ingest.token_rules import TokenRule, load_token_rule
-from worker.tokens.visual_tokens import TokenSpec, VisualTokens
+from worker.tokens.tensors import TokenSpec, VisualTokens
 
 
 @dataclass(frozen=True)

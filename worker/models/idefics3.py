@@ -32,7 +32,7 @@ from PIL import Image
 from ingest.budget import PixelBounds
 from ingest.token_rules import TileRule
 from worker.models.base import TiledImageAdapter
-from worker.tokens.visual_tokens import VisualTokens
+from worker.tokens.tensors import VisualTokens
 
 
 class Idefics3Adapter(TiledImageAdapter):

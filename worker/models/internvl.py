@@ -47,7 +47,7 @@ from PIL import Image
 from ingest.budget import PixelBounds
 from ingest.token_rules import DynamicTileRule
 from worker.models.base import TiledImageAdapter
-from worker.tokens.visual_tokens import VisualTokens
+from worker.tokens.tensors import VisualTokens
 
 
 class InternVLAdapter(TiledImageAdapter):

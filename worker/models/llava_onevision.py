@@ -57,7 +57,7 @@ from PIL import Image
 from ingest.anyres import AnyResRule
 from ingest.budget import PixelBounds
 from worker.models.base import ModelAdapter
-from worker.tokens.visual_tokens import VisualTokens
+from worker.tokens.tensors import VisualTokens
 
 
 class LlavaOnevisionAdapter(ModelAdapter):

@@ -15,7 +15,7 @@ from PIL import Image
 from ingest.budget import PixelBounds
 from worker.models.base import ModelAdapter
 from worker.models.vision_tower import load_vision_tower
-from worker.tokens.visual_tokens import VisualTokens
+from worker.tokens.tensors import VisualTokens
 
 # image == 1, video == 2 in the M-RoPE index (transformers' get_rope_index).
 IMAGE_TOKEN_TYPE = 1

@@ -31,7 +31,7 @@ from PIL import Image
 
 from ingest.budget import PixelBounds
 from worker.models.qwen2_vl import Qwen2VLAdapter
-from worker.tokens.visual_tokens import TokenSpec, VisualTokens
+from worker.tokens.tensors import TokenSpec, VisualTokens
 
 DEEPSTACK = "deepstack"
 

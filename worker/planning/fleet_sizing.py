@@ -5,7 +5,7 @@ Pure arithmetic over a model's config and a job's token counts (no torch, no ser
 (worker.planning.cache_check).
 Every assumed figure is named here with its source; docs/scale.md derives its tables from these.
 
-**Cache entry** (worker.tokens.visual_tokens): tokens x hidden x bytes per element, plus the same again
+**Cache entry** (worker.tokens.tensors): tokens x hidden x bytes per element, plus the same again
 per extra layer the family caches (Qwen3-VL's deepstack maps), plus a safetensors header.
 
 **Hot tier** (Redis) must hold every page in flight, or pages are evicted between encode and

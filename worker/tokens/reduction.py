@@ -28,7 +28,7 @@ import torch
 
 from worker.tokens.merging import merge_runs, run_position
 from worker.tokens.pruning import select_tokens
-from worker.tokens.visual_tokens import VisualTokens
+from worker.tokens.tensors import VisualTokens
 
 if TYPE_CHECKING:
     from worker.models.base import ModelAdapter

@@ -18,7 +18,7 @@ from storage.token_cache import DEFAULT_NONE_TTL_SECONDS, TokenCache, cache_for_
 from worker import metrics
 from worker.models.base import ModelAdapter
 from worker.retry import describe, is_transient
-from worker.tokens.visual_tokens import InvalidVisualTokens, VisualTokens
+from worker.tokens.tensors import InvalidVisualTokens, VisualTokens
 
 log = logging.getLogger(__name__)
 
