@@ -51,7 +51,7 @@ def eviction_arm(pages: int, maxmemory_entries: float | None, entry: int) -> dic
             assert summary["results"] == pages, summary["errors"]
             out = {
                 "maxmemory_bytes": limit,
-                "tower_images_per_page": rt.tokens.stats.images_encoded / pages,
+                "tower_images_per_page": rt.token_store.stats.images_encoded / pages,
                 "encode_s": seconds["encode"],
                 "generate_s": seconds["generate"],
             }

@@ -86,7 +86,7 @@ def embedded_child(pdf: Path, home: Path, model: Path) -> dict:
 
     quiet()
     rt = Runtime(Settings(home=home, database_url=f"sqlite:///{home}/visbatch.db"), model=str(model))
-    rt.token_rule.visual_tokens(448, 448)  # the token rule loaded: what every run has
+    rt.token_rule.count_visual_tokens(448, 448)  # the token rule loaded: what every run has
     spec = JobSpec(prompts=["p"])
     _ = rt.db
     before = psutil.Process().memory_info().rss

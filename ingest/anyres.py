@@ -154,7 +154,7 @@ class AnyResRule(TokenRule):
     def tokens_for_map(self, rows: int, cols: int) -> int:
         return self.tokens_per_tile + rows * (cols + 1)
 
-    def visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
+    def count_visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
         return self.tokens_for_map(*self.feature_map(width, height, bounds))
 
     @classmethod

@@ -29,7 +29,7 @@ class TokenRule(Protocol):
     @property
     def token_geometry(self) -> TokenGeometry: ...
 
-    def visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int: ...
+    def count_visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class SourceBudget:
         """From a JobSpec (prompts, schema, budget) and the model's token rule."""
         geometry = rule.token_geometry
         bounds = job_bounds(spec.budget, list(spec.prompts), spec.json_schema, geometry)
-        return cls(spec.budget, bounds, geometry, rule.visual_tokens)
+        return cls(spec.budget, bounds, geometry, rule.count_visual_tokens)
 
     def count_tokens(self, width: int, height: int) -> int:
         return self.count(width, height, self.bounds)

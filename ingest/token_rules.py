@@ -91,7 +91,7 @@ class TokenRule(ABC):
         """Pixels per visual token and the processor's own bounds (for budgets)."""
 
     @abstractmethod
-    def visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
+    def count_visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
         """Visual tokens of a `width` x `height` image resized within `bounds` (None: the model's)."""
 
 
@@ -119,7 +119,7 @@ class SmartResizeRule(TokenRule):
         h, w = smart_resize(height, width, self.factor, b.min_pixels, b.max_pixels)
         return w, h
 
-    def visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
+    def count_visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
         w, h = self.resized(width, height, bounds)
         return (w // self.factor) * (h // self.factor)
 
@@ -233,7 +233,7 @@ class TileRule(TokenRule):
     def tokens_for_tiles(self, rows: int, cols: int) -> int:
         return (rows * cols + 1 if rows * cols else 1) * self.image_seq_len
 
-    def visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
+    def count_visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
         return self.tokens_for_tiles(*self.tiles(width, height, bounds))
 
     @classmethod
@@ -350,7 +350,7 @@ class DynamicTileRule(TokenRule):
     def tokens_for_tiles(self, rows: int, cols: int) -> int:
         return self.slots(rows * cols) * self.image_seq_len
 
-    def visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
+    def count_visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
         return self.tokens_for_tiles(*self.tiles(width, height, bounds))
 
     @classmethod

@@ -95,4 +95,4 @@ def test_unknown_compression_setting_is_refused(settings_factory) -> None:
 
     rt = Runtime(settings_factory(cache_compression="lzma"))
     with pytest.raises(SettingError, match="VISBATCH_CACHE_COMPRESSION='lzma'"):
-        _ = rt.tokens
+        _ = rt.token_store

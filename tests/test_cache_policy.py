@@ -105,20 +105,20 @@ def test_cold_keeps_both_tiers(fleet_settings, pdf, redis_client, s3_client, s3_
     # Redis forgets (restart, eviction): a rerun is served by S3, the tower does not run.
     redis_client.flushdb()
     rt, summary = _run(fleet_settings(), pdf, "cold")
-    assert rt.tokens.stats.images_encoded == 0
+    assert rt.token_store.stats.images_encoded == 0
     assert (summary["cache_hits"], summary["cache_misses"]) == (PAGES, 0)
     assert len(_hot_keys(redis_client)) == PAGES  # refilled from S3
 
 
 def test_hot_never_touches_s3(fleet_settings, pdf, redis_client, s3_client, s3_bucket) -> None:
     rt, summary = _run(fleet_settings(), pdf, "hot")
-    assert rt.tokens.stats.images_encoded == PAGES
+    assert rt.token_store.stats.images_encoded == PAGES
     assert len(_hot_keys(redis_client)) == PAGES
     assert _cold_keys(s3_client, s3_bucket) == []  # nothing written to S3
 
     # A rerun while Redis still holds them: hits, no tower.
     rt, summary = _run(fleet_settings(), pdf, "hot")
-    assert rt.tokens.stats.images_encoded == 0
+    assert rt.token_store.stats.images_encoded == 0
     assert summary["cache_hits"] == PAGES
 
     # Entries that only S3 holds (a cold job's) are not read by a hot job: it encodes again.
@@ -127,23 +127,23 @@ def test_hot_never_touches_s3(fleet_settings, pdf, redis_client, s3_client, s3_b
     assert len(_cold_keys(s3_client, s3_bucket)) == PAGES
     redis_client.flushdb()
     rt, summary = _run(fleet_settings(), pdf, "hot")
-    assert rt.tokens.stats.images_encoded == PAGES
+    assert rt.token_store.stats.images_encoded == PAGES
     assert summary["cache_misses"] == PAGES
 
     # A `none` job over them reads the hot job's entries and leaves them: they are not its own.
     before = sorted(_hot_keys(redis_client))
     rt, summary = _run(fleet_settings(), pdf, "none")
-    assert rt.tokens.stats.images_encoded == 0 and summary["cache_hits"] == PAGES
+    assert rt.token_store.stats.images_encoded == 0 and summary["cache_hits"] == PAGES
     assert sorted(_hot_keys(redis_client)) == before
 
 
 def test_none_keeps_nothing_past_the_answers(fleet_settings, pdf, redis_client, s3_client, s3_bucket) -> None:
     rt, summary = _run(fleet_settings(), pdf, "none")
-    assert rt.tokens.stats.images_encoded == PAGES  # encoded once: generate read them from Redis
+    assert rt.token_store.stats.images_encoded == PAGES  # encoded once: generate read them from Redis
     assert _hot_keys(redis_client) == []  # deleted once each page was answered
     assert _cold_keys(s3_client, s3_bucket) == []
     rt, _ = _run(fleet_settings(), pdf, "none")
-    assert rt.tokens.stats.images_encoded == PAGES  # nothing was kept for a rerun
+    assert rt.token_store.stats.images_encoded == PAGES  # nothing was kept for a rerun
 
 
 def test_none_in_the_embedded_folder(settings_factory, pdf) -> None:

@@ -66,7 +66,7 @@ def test_images_of_several_sizes(family_adapter):
     images = [_random_image(w, h, seed=i) for i, (w, h) in enumerate(SIZES)]
     engine = make_engine("transformers", tiny_adapter)
     visuals = _through_cache(tiny_adapter, images)
-    assert [v.num_tokens for v in visuals] == [tiny_adapter.visual_tokens(w, h) for w, h in SIZES]
+    assert [v.num_tokens for v in visuals] == [tiny_adapter.count_visual_tokens(w, h) for w, h in SIZES]
     batched = engine.generate(_requests(tiny_adapter, visuals))
     eos = set(tiny_adapter.eos_token_ids)
     for image, gen in zip(images, batched, strict=True):

@@ -108,7 +108,7 @@ def test_with_a_model_the_counts_are_the_token_rules_and_still_no_torch(
     assert done.returncode == 0, done.stderr
     assert _modules(done) == []
     for record in _manifest(by_option):
-        assert record["visual_tokens"] == rule.visual_tokens(record["width"], record["height"]) > 0
+        assert record["visual_tokens"] == rule.count_visual_tokens(record["width"], record["height"]) > 0
     by_env = tmp_path / "b"
     done = visbatch("ingest", str(inputs), "--out", str(by_env), env={"VISBATCH_MODEL": str(tiny_model_dir)})
     assert done.returncode == 0 and _manifest(by_env) == _manifest(by_option)

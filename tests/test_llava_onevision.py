@@ -94,11 +94,14 @@ def test_rule_equals_transformers_count_for_the_released_model(real_processor):
         real_processor.image_processor.image_grid_pinpoints = pins
         for width, height in sizes:
             count = real_processor._get_num_multimodal_tokens(image_sizes=[(height, width)])
-            assert rule.visual_tokens(width, height, bounds) == count["num_image_tokens"][0], (width, height)
+            assert rule.count_visual_tokens(width, height, bounds) == count["num_image_tokens"][0], (
+                width,
+                height,
+            )
             assert rule.tiles(width, height, bounds) == image_size_to_num_patches((height, width), pins, 384)
     # An A4 page at 1288 px (portrait): a 4 x 3 grid, unpadded to 108 x 77, interpolated to 95 x 68.
     assert rule.feature_map(911, 1288) == (95, 68)
-    assert rule.visual_tokens(911, 1288) == 729 + 95 * 69 == 7284
+    assert rule.count_visual_tokens(911, 1288) == 729 + 95 * 69 == 7284
 
 
 def test_detail_presets_choose_grids():
@@ -112,10 +115,14 @@ def test_detail_presets_choose_grids():
     assert max(tiles) == 4 and len(rule.pinpoints_for(bounds["medium"])) == 8  # 1x1..1x4, 2x1, 2x2, 3x1, 4x1
     assert bounds["high"] is None
     for width, height in PAGES:
-        low, medium = (rule.visual_tokens(width, height, bounds[d]) for d in ("low", "medium"))
-        assert low <= medium <= rule.visual_tokens(width, height)
+        low, medium = (rule.count_visual_tokens(width, height, bounds[d]) for d in ("low", "medium"))
+        assert low <= medium <= rule.count_visual_tokens(width, height)
     # The page counts docs/engines.md gives.
-    assert [rule.visual_tokens(911, 1288, bounds[d]) for d in ("low", "medium", "high")] == [1269, 2835, 7284]
+    assert [rule.count_visual_tokens(911, 1288, bounds[d]) for d in ("low", "medium", "high")] == [
+        1269,
+        2835,
+        7284,
+    ]
 
 
 @pytest.mark.parametrize("cap", [1000, 1500, 2000, 3000, 5000, 8000])
@@ -126,7 +133,7 @@ def test_a_token_cap_holds_unless_only_one_tile_is_left(cap):
     bounds = PixelBounds(rule.tile_pixels, cap * rule.token_pixels)
     rng = np.random.default_rng(cap)
     for width, height in PAGES + [tuple(int(v) for v in rng.integers(10, 4000, 2)) for _ in range(200)]:
-        tokens = rule.visual_tokens(width, height, bounds)
+        tokens = rule.count_visual_tokens(width, height, bounds)
         assert tokens <= cap or len(rule.pinpoints_for(bounds)) == 1, (width, height, tokens)
 
 
@@ -207,7 +214,7 @@ def test_a_preset_encodes_the_grids_it_counts(ov):
     sizes = PAGES[:5]
     visuals = _cached(ov, [_image(w, h, i) for i, (w, h) in enumerate(sizes)], bounds)
     for vt, (w, h) in zip(visuals, sizes, strict=True):
-        assert vt.num_tokens == ov.visual_tokens(w, h, bounds) <= ov.visual_tokens(w, h)
+        assert vt.num_tokens == ov.count_visual_tokens(w, h, bounds) <= ov.count_visual_tokens(w, h)
         assert ov.anyres_rule.tiles(w, h, bounds) == 2  # one tile and the base view
 
 

@@ -41,13 +41,13 @@ def test_second_run_is_all_cache_hits(settings_factory, tmp_path):
     assert units == 3 + 2  # 3 pages, 2 frames at 1 fps
     assert s1["results"] == units * len(SPEC.prompts)
     assert s1["cache_misses"] == units and s1["cache_hits"] == 0
-    assert first.tokens.stats.tower_calls > 0
+    assert first.token_store.stats.tower_calls > 0
 
     # A new runtime: as a second `visbatch run` would, in a new process.
     second = Runtime(settings_factory())
     job2 = run_job(second, [inputs], SPEC)
     s2 = repo.job_summary(second.db, job2)
-    assert second.tokens.stats.tower_calls == 0
+    assert second.token_store.stats.tower_calls == 0
     assert (s2["cache_hits"], s2["cache_misses"]) == (units, 0)
     assert _result_map(second, job2) == _result_map(first, job1)
     assert all(r["cache_hit"] for r in repo.iter_results(second.db, job2))

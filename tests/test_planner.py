@@ -102,7 +102,7 @@ def test_config_only_plan_and_cost(tmp_path):
         [tmp_path / "doc.pdf"], spec, model, throughput=Throughput.parse("10000tok/s"), gpu_cost_per_hour=3.6
     )
     assert plan.prompt_tokens_estimated and plan.total.units == 3
-    assert plan.total.visual_tokens == 3 * model.visual_tokens(911, 1288, None) == 3 * 1518
+    assert plan.total.visual_tokens == 3 * model.count_visual_tokens(911, 1288, None) == 3 * 1518
     assert plan.gpu_hours == pytest.approx(plan.total.tokens / 10000 / 3600)
     assert plan.cost_per_million_pages_usd == pytest.approx(plan.gpu_hours * 3.6 / 3 * 1e6)
     assert Throughput.parse("2.5pages/s") == Throughput(2.5, "pages/s")

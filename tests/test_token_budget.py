@@ -40,7 +40,7 @@ def test_presets_count_tokens_exactly_as_the_processor(tiny_adapter, detail):
     expected_max = DETAIL_TOKENS[detail] * 28 * 28
     assert (bounds or tiny_adapter.token_geometry.default).max_pixels == expected_max
     for width, height in SIZES:
-        tokens = tiny_adapter.visual_tokens(width, height, bounds)
+        tokens = tiny_adapter.count_visual_tokens(width, height, bounds)
         assert tokens == _processor_tokens(tiny_adapter, width, height, bounds), (width, height)
         assert tokens <= DETAIL_TOKENS[detail] or min(width, height) < 56  # a 28-px floor side
 
@@ -53,11 +53,15 @@ def test_explicit_pixels_and_frame_cap(tiny_adapter):
     bounds = job_bounds(budget, ["x"], None, geometry)
     assert bounds == PixelBounds(28 * 28 * 8, 28 * 28 * 300)  # explicit beats the preset, the cap beats both
     for width, height in SIZES:
-        assert tiny_adapter.visual_tokens(width, height, bounds) == _processor_tokens(
+        assert tiny_adapter.count_visual_tokens(width, height, bounds) == _processor_tokens(
             tiny_adapter, width, height, bounds
         )
     # A tiny image is grown to min_pixels, as the processor does.
-    assert tiny_adapter.visual_tokens(56, 56, bounds) == _processor_tokens(tiny_adapter, 56, 56, bounds) >= 8
+    assert (
+        tiny_adapter.count_visual_tokens(56, 56, bounds)
+        == _processor_tokens(tiny_adapter, 56, 56, bounds)
+        >= 8
+    )
 
 
 def test_encode_and_cache_key_follow_the_bounds(tiny_adapter):
@@ -65,8 +69,8 @@ def test_encode_and_cache_key_follow_the_bounds(tiny_adapter):
     image = Image.fromarray(rng.integers(0, 255, (720, 1280, 3), dtype=np.uint8))
     low = job_bounds(VisualBudget(detail="low"), ["x"], None, tiny_adapter.token_geometry)
     [full], [small] = tiny_adapter.encode([image]), tiny_adapter.encode([image], low)
-    assert full.num_tokens == tiny_adapter.visual_tokens(1280, 720) == 1196
-    assert small.num_tokens == tiny_adapter.visual_tokens(1280, 720, low) <= 256
+    assert full.num_tokens == tiny_adapter.count_visual_tokens(1280, 720) == 1196
+    assert small.num_tokens == tiny_adapter.count_visual_tokens(1280, 720, low) <= 256
     assert tiny_adapter.cache_key("h", low) != tiny_adapter.cache_key("h")
     assert tiny_adapter.fingerprint_for(low) != tiny_adapter.fingerprint
     # The model's own bounds spelled out are no budget at all: same key, same fingerprint.

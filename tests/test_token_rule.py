@@ -67,9 +67,11 @@ def test_token_count_matches_processor(family_adapter, width, height):
     rule = family_adapter.token_rule
     if isinstance(rule, SmartResizeRule) and max(width, height) / min(width, height) > 200:
         with pytest.raises(ValueError):
-            family_adapter.visual_tokens(width, height)
+            family_adapter.count_visual_tokens(width, height)
         return
-    assert family_adapter.visual_tokens(width, height) == _processor_tokens(family_adapter, width, height)
+    assert family_adapter.count_visual_tokens(width, height) == _processor_tokens(
+        family_adapter, width, height
+    )
 
 
 @pytest.mark.slow
@@ -89,7 +91,7 @@ def test_token_count_under_a_budget_matches_processor(family_adapter, width, hei
         min(geometry.default.min_pixels, tokens * geometry.token_pixels), tokens * geometry.token_pixels
     )
     expected = _processor_tokens(family_adapter, width, height, bounds)
-    assert family_adapter.visual_tokens(width, height, bounds) == expected
+    assert family_adapter.count_visual_tokens(width, height, bounds) == expected
     if expected > tokens:  # only a floor overshoots the cap: one tile, one token per side, or
         rule = family_adapter.token_rule  # a small image scaled up to min_pixels (rounded up)
         if isinstance(rule, AnyResRule):
@@ -107,8 +109,8 @@ def test_token_count_under_a_budget_matches_processor(family_adapter, width, hei
 
 def test_known_counts(tiny_adapter):
     # Figures from the Qwen2-VL documentation: 448x448 -> 256 tokens, 1280x720 -> 1196.
-    assert tiny_adapter.visual_tokens(448, 448) == 256
-    assert tiny_adapter.visual_tokens(1280, 720) == 1196
+    assert tiny_adapter.count_visual_tokens(448, 448) == 256
+    assert tiny_adapter.count_visual_tokens(1280, 720) == 1196
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -143,7 +145,7 @@ def test_real_model_files():
         {"model_type": "qwen3_vl"},
         {"size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16, "merge_size": 2},
     )
-    assert qwen3.visual_tokens(1024, 1024) == 1024  # 32 x 32 px per token
+    assert qwen3.count_visual_tokens(1024, 1024) == 1024  # 32 x 32 px per token
     granite_docling = rule_from_files(
         {
             "model_type": "idefics3",
@@ -155,7 +157,7 @@ def test_real_model_files():
     assert granite_docling.image_seq_len == 64
     # A 1288-px A4 page (portrait): the long side becomes 2048 = 4 tiles, the short 1448 -> 3.
     assert granite_docling.tiles(911, 1288) == (4, 3)
-    assert granite_docling.visual_tokens(911, 1288) == (12 + 1) * 64
+    assert granite_docling.count_visual_tokens(911, 1288) == (12 + 1) * 64
 
 
 @pytest.mark.parametrize("detail", ["low", "medium", "high"])
@@ -166,7 +168,7 @@ def test_a_detail_preset_never_adds_tiles(family_model_dir, detail):
     rule = load_token_rule(str(family_model_dir("idefics3")))
     bounds = job_bounds(VisualBudget(detail=detail), ["x"], None, rule.token_geometry)
     for width, height in [(56, 56), (911, 1288), (1280, 720), (97, 1500)]:
-        assert rule.visual_tokens(width, height, bounds) <= rule.visual_tokens(width, height)
+        assert rule.count_visual_tokens(width, height, bounds) <= rule.count_visual_tokens(width, height)
 
 
 def test_an_unreachable_hub_is_said_so_not_taken_for_a_missing_file(monkeypatch):
@@ -236,9 +238,9 @@ def test_internvl3_files_against_its_image_processor():
                 height, width, {"crop_to_patches": True, "max_patches": max_tiles}
             )
             bounds = PixelBounds(1, rule.slots(max_tiles) * rule.tile_pixels)
-            assert rule.visual_tokens(width, height, bounds) == tiles * 256, (width, height, max_tiles)
+            assert rule.count_visual_tokens(width, height, bounds) == tiles * 256, (width, height, max_tiles)
     # An A4 page (portrait): a 2x3 grid and the thumbnail.
-    assert rule.tiles(911, 1288) == (3, 2) and rule.visual_tokens(911, 1288) == 7 * 256
+    assert rule.tiles(911, 1288) == (3, 2) and rule.count_visual_tokens(911, 1288) == 7 * 256
 
 
 @pytest.mark.parametrize(("detail", "max_tiles"), [("low", 1), ("medium", 4), ("high", 12)])
@@ -254,9 +256,9 @@ def test_internvl_detail_presets_choose_max_tiles(detail, max_tiles):
     assert rule.max_tiles_for(bounds) == max_tiles
     assert (bounds is None) == (detail == "high")
     for width, height in [(56, 56), (911, 1288), (1280, 720), (97, 1500), (2480, 3508)]:
-        tokens = rule.visual_tokens(width, height, bounds)
+        tokens = rule.count_visual_tokens(width, height, bounds)
         assert tokens <= rule.slots(max_tiles) * 256
-        assert tokens <= rule.visual_tokens(width, height)  # never more than the model's own
+        assert tokens <= rule.count_visual_tokens(width, height)  # never more than the model's own
     # A per-frame cap under the preset still wins: 600 tokens is two slots, one tile.
     capped = job_bounds(
         VisualBudget(detail=detail, max_tokens_per_frame=600), ["x"], None, rule.token_geometry

@@ -177,7 +177,9 @@ def test_a_cold_runtime_loads_its_model_once_for_many_threads(settings_factory, 
         barrier.wait()
         try:
             # What encode and generate threads touch first, all at once.
-            got.append((rt.load_model, lambda: rt.tokens, lambda: rt.engine, lambda: rt.requests)[i % 4]())
+            got.append(
+                (rt.load_model, lambda: rt.token_store, lambda: rt.engine, lambda: rt.requests)[i % 4]()
+            )
         except BaseException as exc:
             errors.append(exc)
 
@@ -208,7 +210,7 @@ def test_a_model_that_cannot_load_is_the_workers_failure(settings_factory, monke
     rt = Runtime(settings_factory())
     try:
         with pytest.raises(ModelUnavailable, match="ImportError: cannot import name 'AutoProcessor'") as err:
-            _ = rt.tokens
+            _ = rt.token_store
         assert is_transient(err.value)  # the task's message goes back to the broker
         with pytest.raises(ModelUnavailable):
             rt.load_model()  # nothing half-loaded was kept: it tries again

@@ -206,7 +206,7 @@ class Runtime:
         return adapter
 
     @_LoadedOnce
-    def tokens(self) -> VisualTokenStore:
+    def token_store(self) -> VisualTokenStore:
         from worker.tokens.store import VisualTokenStore
 
         if self.settings.cache_compression not in ("none", "zstd"):
@@ -238,7 +238,7 @@ class Runtime:
         from worker.tokens.request_builder import RequestBuilder
 
         return RequestBuilder(
-            self.load_model(), self.tokens, model_name=self.model_name, engine_name=self.engine.name
+            self.load_model(), self.token_store, model_name=self.model_name, engine_name=self.engine.name
         )
 
     def warm_up(self) -> None:
@@ -246,7 +246,7 @@ class Runtime:
         beside ingest, so the first page finds the model ready instead of waiting for it."""
         self.load_model()
         engine = self.engine
-        _ = self.requests, self.tokens
+        _ = self.requests, self.token_store
         with _LOAD_LOCK, _model_errors(f"engine {engine.name} for {self.model_name}"):
             engine.warm_up()  # an in-process vLLM builds its LLM now
 

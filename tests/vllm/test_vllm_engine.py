@@ -25,7 +25,7 @@ pytestmark = pytest.mark.budget(300, reason="a vLLM engine start on a CPU")
 
 def test_images_of_several_sizes(vllm_engine, hf_engine, vllm_adapter):
     visuals = encode(vllm_adapter, [random_image(w, h, seed=i) for i, (w, h) in enumerate(SIZES)])
-    assert [v.num_tokens for v in visuals] == [vllm_adapter.visual_tokens(w, h) for w, h in SIZES]
+    assert [v.num_tokens for v in visuals] == [vllm_adapter.count_visual_tokens(w, h) for w, h in SIZES]
     requests = [request(vllm_adapter, vt, f"size-{i}") for i, vt in enumerate(visuals)]
     out = vllm_engine.generate(requests)
     assert_same(out, hf_engine.generate(requests))

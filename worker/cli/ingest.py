@@ -100,7 +100,7 @@ def _token_counter(model: str | None):
         where = f"VISBATCH_MODEL={name}" if origin == "VISBATCH_MODEL" else f"{name} (from {origin})"
         print(f"note: no visual-token counts: {where}: {exc}", file=sys.stderr)
         return None, None
-    return rule.visual_tokens, name
+    return rule.count_visual_tokens, name
 
 
 def _fail(message: str) -> None:

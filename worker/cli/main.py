@@ -255,7 +255,7 @@ def _check_hot_tier(rt: Any, threads: int | None) -> None:
         warning = worker_hot_tier_warning(
             rt.cache,
             config,
-            rt.token_rule.visual_tokens(*A4_PAGE_PX),
+            rt.token_rule.count_visual_tokens(*A4_PAGE_PX),
             rt.adapter.dtype.itemsize,
             pages_in_flight_per_gpu(threads, rt.settings.encode_chunk_units),
         )

@@ -62,7 +62,7 @@ def _prepare_model(rt: Any, explicit: str | None, *, origin: str | None = None, 
     if not weights:
         return
     try:
-        rt.adapter.visual_tokens(448, 448)
+        rt.adapter.count_visual_tokens(448, 448)
     except Exception as exc:
         raise UserError(
             f"cannot load model {rt.model_name!r}: {first_line(exc)}", MODEL_FIX, EXIT_UNAVAILABLE

@@ -67,10 +67,10 @@ class ModelAdapter(ABC):
     def token_rule(self) -> TokenRule:
         return load_token_rule(self.ref.source, self.ref.revision)
 
-    def visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
+    def count_visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
         """Visual tokens this image becomes, by the processor's own resize rule (within `bounds`:
         a job's budget; None = the processor's own bounds)."""
-        return self.token_rule.visual_tokens(width, height, bounds)
+        return self.token_rule.count_visual_tokens(width, height, bounds)
 
     @property
     def token_geometry(self) -> TokenGeometry:

@@ -27,7 +27,7 @@ class Qwen2VLAdapter(ModelAdapter):
     vllm_unsupported = None
     column_inputs = ("mm_token_type_ids",)
 
-    # --- token rule: ingest.token_rules (ModelAdapter.visual_tokens) -----------------------
+    # --- token rule: ingest.token_rules (ModelAdapter.count_visual_tokens) -----------------------
 
     def preprocessing(self, bounds: PixelBounds | None = None) -> dict[str, Any]:
         config = self.processor.image_processor.to_dict()

@@ -87,7 +87,7 @@ def worker_hot_tier_warning(
     cache: TokenCache, config: dict[str, Any], visual_tokens: int, element_bytes: int, pages: int
 ) -> str | None:
     """The check for a worker of `pages` in flight, for a model of this config whose typical page
-    is `visual_tokens` tokens (rt.token_rule.visual_tokens(*A4_PAGE_PX))."""
+    is `visual_tokens` tokens (rt.token_rule.count_visual_tokens(*A4_PAGE_PX))."""
     per_page = entry_bytes(visual_tokens, model_shape(config), element_bytes)
     need = hot_tier_bytes(per_page, 1, pages)
     return hot_tier_warning(cache, need, per_page=per_page, pages=pages)

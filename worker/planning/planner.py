@@ -81,7 +81,7 @@ class PlanModel:
     name: str
     geometry: TokenGeometry
     kv: KVShape
-    visual_tokens: Callable[[int, int, PixelBounds | None], int]
+    count_visual_tokens: Callable[[int, int, PixelBounds | None], int]
     prompt_tokens: Callable[[str], int] | None  # None: no tokenizer, estimated
     shape: ModelShape | None = None  # cache width and parameter counts (fleet figures)
 
@@ -104,7 +104,7 @@ def load_plan_model(model: str, revision: str | None = None) -> PlanModel:
         shape: ModelShape | None = model_shape(config)
     except (KeyError, TypeError, ValueError):  # a config sizing cannot read: no fleet figures
         shape = None
-    return PlanModel(model, rule.token_geometry, kv, rule.visual_tokens, prompt_tokens, shape)
+    return PlanModel(model, rule.token_geometry, kv, rule.count_visual_tokens, prompt_tokens, shape)
 
 
 def estimate_prompt_tokens(prompt: str) -> int:
@@ -204,7 +204,7 @@ def plan_job(
         plan.duration_s = survey.duration
         source_bounds = bounds
         if survey.kind == "video" and survey.sizes and spec.budget.max_tokens_per_video is not None:
-            per_frame = model.visual_tokens(*survey.sizes[0], bounds)
+            per_frame = model.count_visual_tokens(*survey.sizes[0], bounds)
             source_bounds = video_cap_bounds(
                 bounds, len(survey.sizes), per_frame, spec.budget.max_tokens_per_video, model.geometry
             )
@@ -213,7 +213,7 @@ def plan_job(
         plan.max_pixels = (source_bounds or model.geometry.default).max_pixels
         for width, height in survey.sizes:
             try:
-                visual = model.visual_tokens(width, height, source_bounds)
+                visual = model.count_visual_tokens(width, height, source_bounds)
             except ValueError as exc:
                 plan.notes.append(f"a {width}x{height} unit cannot be encoded: {exc}")
                 continue

@@ -35,7 +35,7 @@ def encode_units(rt: Runtime, units: list[UnitTask], cache: str = "cold") -> Enc
     if not units:
         return step
     started = time.monotonic()
-    outcomes = rt.tokens.for_policy(cache).encode_units(
+    outcomes = rt.token_store.for_policy(cache).encode_units(
         [(u.unit_id, u.image_key, PixelBounds.of(u.min_pixels, u.max_pixels)) for u in units]
     )
     by_id = {u.unit_id: u for u in units}

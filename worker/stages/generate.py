@@ -343,7 +343,7 @@ class GenerateLoop:
         """Cache policy ``none``: the entries these units' encode wrote go now their answers are
         stored (or their job stopped). An entry a unit found in the cache (another job's, or an
         identical page's) is not this unit's to delete; a failed delete is left to the TTL."""
-        tokens = self.rt.tokens.for_policy("none")
+        tokens = self.rt.token_store.for_policy("none")
         for work in answered:
             unit = work.unit
             if work.spec.cache != "none" or unit.cache_hit or not unit.cache_key:

@@ -35,7 +35,7 @@ class RequestBuilder:
         self, adapter: ModelAdapter, tokens: VisualTokenStore, *, model_name: str, engine_name: str
     ) -> None:
         self.adapter = adapter
-        self.tokens = tokens
+        self.token_store = tokens
         self.model_name = model_name
         self.engine_name = engine_name
         self._text_tokens: dict[str, int] = {}
@@ -53,11 +53,11 @@ class RequestBuilder:
         try:
             if unit.image_key is None:
                 raise ValueError("the unit has no image")
-            visual = self.tokens.for_policy(spec.cache).get(unit.image_key, bounds)
+            visual = self.token_store.for_policy(spec.cache).get(unit.image_key, bounds)
         except Exception as exc:
             error = f"visual tokens unavailable: {type(exc).__name__}: {exc}"
             return [Prepared(unit, spec, p, None, error) for p in prompt_indexes]
-        cache_key = self.tokens.cache_key(unit.image_key, bounds)
+        cache_key = self.token_store.cache_key(unit.image_key, bounds)
         s = spec.sampling
         return [
             Prepared(

@@ -1,4 +1,5 @@
-"""The encode stage: images -> visual tokens, through the token cache so no image is encoded twice."""
+"""The visual-token store: images -> visual tokens through the token cache, so that no image is
+encoded twice (what the encode stage, worker.stages.encode, and request building call)."""
 
 from __future__ import annotations
 
