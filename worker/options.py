@@ -1,11 +1,12 @@
-"""The job options of the command line, declared once for `run`, `submit`, `plan` (and `ingest`).
+"""The job options, declared once for `run`, `submit`, `plan` (and `ingest`) and the Python API.
 
 A job option is declared here once, in its group (inputs, prompt, schema, model, ingest,
 sampling, budget); a command takes the groups it needs with ``@job_options(...)`` and gets ONE
 parameter, a ``JobOptions``, that builds the ``JobSpec`` (one place, one validation: the spec's
 own) and names the option at fault when a value is refused. Adding a flag is one ``Opt`` line
-in its group (an ingest option that is an ``IngestOptions`` field needs nothing else);
-`tests/test_cli_options.py` checks that the commands cannot drift apart.
+in its group (an ingest option that is an ``IngestOptions`` field needs nothing else). The
+Python API (visbatch.api) takes the same options as keyword arguments and refuses a value as the
+command does (tests/test_python_api.py).
 
 How: the decorator rewrites the command's signature (Typer reads ``inspect.signature``), putting
 the groups' parameters where the command has its ``job: JobOptions`` parameter, and gathers

@@ -58,7 +58,7 @@ def _prepare_model(rt: Any, explicit: str | None, *, origin: str | None = None, 
     # Loading bars of the hub and transformers are noise in a log; the model line says what loads.
     # (Read when huggingface_hub is imported: before the token rule below imports it.)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    rt.token_rule  # noqa: B018 - ModelFilesUnavailable here is exit 4 with the fix (cli_errors)
+    rt.token_rule  # noqa: B018 - ModelFilesUnavailable here is exit 4 with the fix (worker.errors)
     if not weights:
         return
     try:
