@@ -4,7 +4,8 @@ The model has Qwen2-VL-7B's real shape (LM: hidden 3584, 28 layers, 28 heads, 4 
 intermediate 18944, vocabulary 152064; tower: 32 blocks, 1280 wide, MLP ratio 4), random
 weights in bf16, built in GPU memory (nothing is downloaded, nothing large is written to disk).
 The product's own code paths run: `adapter.encode` (processor + tower) and the TransformersEngine's
-step loop, which packs its queue by `pack_by_tokens` under the default token budget.
+step loop, which packs its queue by `pack_by_tokens` under the default cap of tokens per batch
+(VISBATCH_TOKEN_BUDGET).
 
     python bench/gpu_transformers.py                # on the GPU machine (H200: a few minutes)
     python bench/gpu_transformers.py --tiny         # smoke test on CPU: tiny model, few pages
@@ -221,7 +222,7 @@ def main() -> None:
         # Generation from the cached tokens, as the generate stage runs it: every request queued
         # in the engine, which packs them by tokens into static batches, step after step.
         engine = TransformersEngine(
-            adapter, token_budget=args.token_budget, max_batch_size=args.max_batch_size
+            adapter, batch_tokens=args.token_budget, max_batch_size=args.max_batch_size
         )
         requests = [
             EngineRequest(
@@ -246,7 +247,7 @@ def main() -> None:
         report["generate"] = {
             "requests": len(requests),
             "batches": engine.batches_run - 1,
-            "token_budget": args.token_budget,
+            "batch_tokens": args.token_budget,
             "max_batch_size": args.max_batch_size,
             "padding_waste": round(engine.padding_slots / max(1, engine.input_slots), 4),
             "errors": sum(g.error is not None for g in rows),

@@ -91,7 +91,7 @@ def main() -> None:
     requests = make_requests(adapter, images)
     engine = TransformersEngine(adapter)
     items = items_of(requests)
-    packed = pack_by_tokens(items, token_budget=16384, max_batch_size=16)
+    packed = pack_by_tokens(items, batch_tokens=16384, max_batch_size=16)
     size = max(1, round(len(requests) / len(packed)))
     fixed = [Batch(items[i : i + size]) for i in range(0, len(items), size)]
     plans = {"packed by tokens": packed, f"fixed {size}, arrival order": fixed}

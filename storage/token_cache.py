@@ -11,7 +11,7 @@ Shapes:
 
 The cache Redis must be a separate instance from the Celery broker Redis: the cache one runs
 ``maxmemory-policy allkeys-lru`` (it is allowed to forget anything, S3 still has it), the broker
-one ``noeviction`` (an evicted task message is a lost task). The byte budget of the hot tier is
+one ``noeviction`` (an evicted task message is a lost task). The size cap of the hot tier is
 therefore Redis' own ``maxmemory`` + ``allkeys-lru`` (set in docker-compose), not a tally kept
 here; on top of that, an entry larger than a per-entry cap (``cache_hot_max_entry_bytes``) is
 never put in Redis, so one huge video frame grid cannot push out hundreds of pages.
@@ -166,7 +166,7 @@ class FolderTokenCache:
 
 class S3TokenCache:
     """The cold, durable tier: entries are objects ``tokens/<key[:2]>/<key>.safetensors`` of an
-    object store (an S3 bucket prefix in the fleet). No byte budget: use a bucket lifecycle rule
+    object store (an S3 bucket prefix in the fleet). No size cap: use a bucket lifecycle rule
     to expire old entries if needed. Errors other than "not found" propagate (after botocore's
     own retries): the object store holding the images is the same service, so the stage could
     not go on anyway."""
@@ -406,7 +406,7 @@ def cache_for_policy(
 ) -> TokenCache:
     """What a job of this cache policy reads and writes: ``cold`` the whole cache, ``hot`` its hot
     tier alone, ``none`` the hot tier with puts expiring after ``none_ttl_seconds`` (Redis; a
-    folder has no expiry and is bounded by its byte budget). Deleting ``none`` entries once their
+    folder has no expiry and is bounded by its size cap). Deleting ``none`` entries once their
     unit is answered is the generate stage's part (worker.stages.generate)."""
     if policy not in CACHE_POLICIES:
         raise ValueError(f"unknown cache policy {policy!r} (use {', '.join(CACHE_POLICIES)})")

@@ -213,7 +213,10 @@ class Settings:
         description="Requests kept in the engine (default: 256 for vLLM, 4 batches for transformers).",
     )
     token_budget: int = setting(
-        16384, ge=1, description="transformers engine: max visual+prompt+new tokens in one batch."
+        16384,
+        ge=1,
+        description="transformers engine: max visual+prompt+new tokens in one padded batch (its cap, "
+        "named before 'budget' meant the job's visual-token budget only).",
     )
     max_batch_size: int = setting(16, ge=1, description="transformers engine: max requests in one batch.")
 

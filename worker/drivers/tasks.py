@@ -190,7 +190,7 @@ def ingest_source(self: Task, job_id: str, source_id: int, location: str, first:
         with _INGEST_SLOTS, local_copy(rt, location) as path:
             # A third of the time limit: slow pages end the range early, never the task.
             step = ingest_stage(rt, job_id, source_id, source.uri, path, spec, selection=selection,
-                                on_units=send_encode, time_budget=SETTINGS.task_time_limit / 3)  # fmt: skip
+                                on_units=send_encode, stop_after_s=SETTINGS.task_time_limit / 3)  # fmt: skip
     except ObjectNotFound:
         # Permanent: retrying will not make it appear. The source fails, the job goes on.
         error = f"not found: {location.removeprefix('store:')}"

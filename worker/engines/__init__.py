@@ -82,7 +82,7 @@ def make_engine(name: str, adapter: ModelAdapter, settings: Settings | None = No
         if settings is None:
             return TransformersEngine(adapter)
         return TransformersEngine(
-            adapter, token_budget=settings.token_budget, max_batch_size=settings.max_batch_size
+            adapter, batch_tokens=settings.token_budget, max_batch_size=settings.max_batch_size
         )
     if resolved == "vllm":
         from visbatch.settings import Settings

@@ -28,7 +28,7 @@ from worker.tokens.packing import PackItem, pack_by_tokens
 log = logging.getLogger(__name__)
 
 # Defaults of VISBATCH_TOKEN_BUDGET / VISBATCH_MAX_BATCH_SIZE (visbatch.settings).
-DEFAULT_TOKEN_BUDGET = 16384
+DEFAULT_BATCH_TOKENS = 16384
 DEFAULT_MAX_BATCH_SIZE = 16
 
 
@@ -53,12 +53,12 @@ class TransformersEngine(StepEngine):
         self,
         adapter: ModelAdapter,
         *,
-        token_budget: int = DEFAULT_TOKEN_BUDGET,
+        batch_tokens: int = DEFAULT_BATCH_TOKENS,
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
     ) -> None:
         super().__init__()
         self.adapter = adapter
-        self.token_budget = token_budget
+        self.batch_tokens = batch_tokens
         self.max_batch_size = max_batch_size
         self._queue: dict[str, EngineRequest] = {}  # insertion order = arrival order
         self.batches_run = 0
@@ -99,7 +99,7 @@ class TransformersEngine(StepEngine):
             )
             for request_id, request in self._queue.items()
         ]
-        batches = pack_by_tokens(items, token_budget=self.token_budget, max_batch_size=self._ramp)
+        batches = pack_by_tokens(items, batch_tokens=self.batch_tokens, max_batch_size=self._ramp)
         chosen = next(b for b in batches if any(item.payload == oldest for item in b.items))
         self.batches_run += 1
         self.padding_slots += chosen.padded_input_tokens - chosen.real_input_tokens

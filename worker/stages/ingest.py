@@ -135,15 +135,15 @@ def ingest_source(
     selection: UnitSelection | None = None,
     on_units: OnUnits | None = None,
     stop: threading.Event | None = None,
-    time_budget: float | None = None,
+    stop_after_s: float | None = None,
 ) -> IngestStep:
     """Split `path` (the source `uri` of the job) into stored units, those `selection` picks.
 
     Units that fail alone (a page that does not render) are stored failed; a source that cannot
     be read at all fails with the reason. A transient error (the database away) is raised for
-    the retry policy: rows are upserted, so a retried step redoes nothing twice. With a
-    `time_budget` (seconds), a range of a PDF's pages ends early once it is spent (slow pages):
-    `next_position` then says where the rest starts.
+    the retry policy: rows are upserted, so a retried step redoes nothing twice. After
+    `stop_after_s` seconds, a range of a PDF's pages ends early (slow pages): `next_position`
+    then says where the rest starts.
     """
     selection = selection or UnitSelection()
     started = time.monotonic()
@@ -164,14 +164,18 @@ def ingest_source(
             chunks.kind, chunks.sha256 = info.kind, info.sha256
             # The job's visual-token budget: bounds per unit, skipped frames, the per-video cap.
             budget = SourceBudget.for_job(spec, rt.token_rule)
-            timed = time_budget is not None and info.units is not None and not selection.skip
+            timed = stop_after_s is not None and info.units is not None and not selection.skip
             for row in budget.rows(_in_order(items, path), info.kind, rt.limits.max_visual_tokens):
                 chunks.add(row)
                 seen += 1
                 if stop is not None and stop.is_set():
                     step.stopped = True
                     break
-                if timed and time.monotonic() - started > time_budget and seen < _range_size(selection, info):
+                if (
+                    timed
+                    and time.monotonic() - started > stop_after_s
+                    and seen < _range_size(selection, info)
+                ):
                     step.next_position = selection.first + seen  # closing kills the rest of the range
                     break
     except SourceError as exc:

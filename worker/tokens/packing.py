@@ -47,12 +47,12 @@ class Batch(Generic[T]):
         return len(self.items) * self.longest
 
 
-def _fits(batch: Batch, item: PackItem, token_budget: int, max_batch_size: int, max_padding: float) -> bool:
+def _fits(batch: Batch, item: PackItem, batch_tokens: int, max_batch_size: int, max_padding: float) -> bool:
     if len(batch.items) >= max_batch_size:
         return False
     longest = max(batch.longest, item.input_tokens)
     new = max([i.max_new_tokens for i in batch.items] + [item.max_new_tokens])
-    if (len(batch.items) + 1) * (longest + new) > token_budget:
+    if (len(batch.items) + 1) * (longest + new) > batch_tokens:
         return False
     # A long request joining short ones pads them all: better start a new batch.
     padded = (len(batch.items) + 1) * longest
@@ -62,7 +62,7 @@ def _fits(batch: Batch, item: PackItem, token_budget: int, max_batch_size: int, 
 def pack_by_tokens(
     items: Iterable[PackItem[T]],
     *,
-    token_budget: int,
+    batch_tokens: int,
     max_batch_size: int,
     bucket: int = 32,
     max_padding: float = 0.1,
@@ -73,8 +73,8 @@ def pack_by_tokens(
     Lengths are compared in buckets of `bucket` tokens first, so prompts of nearly equal length
     over the same image sort together (prefix sharing) at the price of under `bucket` pads a row.
     """
-    if token_budget < 1 or max_batch_size < 1:
-        raise ValueError("token_budget and max_batch_size must be positive")
+    if batch_tokens < 1 or max_batch_size < 1:
+        raise ValueError("batch_tokens and max_batch_size must be positive")
     ordered = sorted(
         items, key=lambda i: (str(i.group), i.input_tokens // bucket, i.affinity, i.input_tokens)
     )
@@ -83,7 +83,7 @@ def pack_by_tokens(
     for item in ordered:
         same_group = not current.items or current.items[0].group == item.group
         if current.items and (
-            not same_group or not _fits(current, item, token_budget, max_batch_size, max_padding)
+            not same_group or not _fits(current, item, batch_tokens, max_batch_size, max_padding)
         ):
             batches.append(current)
             current = Batch()
