@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -13,11 +14,31 @@ import time
 from pathlib import Path
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    """A loopback port free now (bound and released): for a server of the test's own."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port free now, for a server of the test's own, taken below the kernel's
+    ephemeral range: a server that is stopped and started again (a restarted Redis, a proxy cut
+    and restored) must find its port still free, and any outgoing connection of any process (the
+    other xdist worker's, a worker's to PostgreSQL) may take a free port of that range meanwhile."""
+    low, _high = _ephemeral_range()
+    start = max(1024, low - 12000)
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(start, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {start}-{low - 1}")
 
 
 class TCPProxy:

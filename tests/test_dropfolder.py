@@ -423,7 +423,9 @@ def test_long_key_failure_is_reported_with_a_shortened_name(
     assert len(failed) == 2 and all(len(k.encode()) <= 1024 for k in failed)
     note = _note(s3_client, s3_bucket, next(k for k in failed if k.endswith(".error.json")))
     assert note["subject"] == long_key  # the full name as data, once
-    ours = [r.getMessage() for r in caplog.records if r.name.startswith("ingest")]  # not moto's
+    ours = [
+        r.getMessage() for r in caplog.records if r.name.startswith(("ingest", "worker.drivers"))
+    ]  # not moto's
     messages = [*ours, claim.error, note["error"]]
     assert any("nnn...nnn" in m and "bytes)" in m for m in messages)
     assert not [m for m in messages if "n" * 200 in m], "a message repeats the whole key"
@@ -440,7 +442,7 @@ def test_control_characters_in_a_name_never_reach_a_job_or_a_log(
     submit = Submitter(pg)
     assert len(_watcher(s3_client, pg, s3_bucket, submit).poll_once()) == 1
     split_s3_uri(submit.calls[0][0])  # a key the ingest stage accepts
-    ours = [r.getMessage() for r in caplog.records if r.name.startswith("ingest")]
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith(("ingest", "worker.drivers"))]
     assert all("\r" not in m and "\x07" not in m for m in ours)
     assert any("scan\\x0dINFO forged log line\\x07.pdf" in m for m in ours)
 

@@ -54,7 +54,9 @@ def _claims(db: Database) -> list[Any]:
 
 
 def _ours(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name.startswith("ingest")]  # not moto's request log
+    return [
+        r for r in caplog.records if r.name.startswith(("ingest", "worker.drivers"))
+    ]  # not moto's request log
 
 
 @pytest.fixture

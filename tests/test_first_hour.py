@@ -437,7 +437,7 @@ def test_14_no_input_files_found(tmp_path):
 def test_14_an_unexpected_error_is_one_line_and_exit_5(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from worker.cli.main import main as cli
+    from worker.cli import main as cli
 
     def boom(*_a, **_k):
         raise RuntimeError("a bug\nwith two lines")

@@ -50,6 +50,10 @@ pytestmark = [
 ]
 
 OPTIONS = ["--longest-side", "448", "--max-new-tokens", "8"]
+# A job whose generation the fault must land in: longer answers, so that it spans seconds more
+# than the time between its first result and the fault (beside another xdist worker, 8 tokens
+# ended before the fault twice).
+GENERATE_OPTIONS = ["--longest-side", "448", "--max-new-tokens", "48"]
 PROMPTS = ["What is on this page?", "Is there a table? Answer yes or no."]
 BROKER_DOWN_S = 3
 POSTGRES_DOWN_S = 20
@@ -266,10 +270,10 @@ def _units(o: Outages, job: str) -> int:
     return _count(o, "SELECT count(*) FROM units WHERE job_id = :j", job)
 
 
-def _submit(o: Outages, docs: list[Doc]) -> tuple[str, threading.Thread]:
+def _submit(o: Outages, docs: list[Doc], options: list[str] = OPTIONS) -> tuple[str, threading.Thread]:
     """The job's id, and the thread rendering its PDFs here for the checks."""
     prompts = [a for p in PROMPTS for a in ("-p", p)]
-    job = o.fleet.submit(*(str(d.path) for d in docs), *prompts, *OPTIONS)
+    job = o.fleet.submit(*(str(d.path) for d in docs), *prompts, *options)
     return job, _render_ahead(o, job, docs)
 
 
@@ -287,7 +291,7 @@ def _fault_then_second_job(o: Outages, tmp: Path, stage: str, fault: Callable[[]
         assert _count(o, slow, job) < docs[0].pages, "the slow PDF was all rendered: make it slower"
     else:
         docs = _docs(tmp, "a", (24, False), (6, False))
-        job, ahead = _submit(o, docs)
+        job, ahead = _submit(o, docs, GENERATE_OPTIONS)
         total = sum(d.pages for d in docs) * len(PROMPTS)
         _wait_for(lambda: fleet.result_count(job) > 0, 240, f"first results of {job}\n{fleet.logs()}")
         assert fleet.result_count(job) < total, "generation ended before the fault: make it longer"

@@ -234,9 +234,10 @@ def test_ctrl_c_leaves_out_as_it_was(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120  # a ceiling: a busy machine starts Python slowly
     while time.monotonic() < deadline and not list(tmp_path.glob(".out.ingest-*/slow-*/page-*")):
         time.sleep(0.05)  # until pages are being written into the staging folder
+    assert proc.poll() is None, "the ingest ended before its first page was seen: make the PDF slower"
     proc.send_signal(signal.SIGINT)
     # A ceiling, not a wait: it exits within seconds, but a suite's other processes on two cores
     # slowed it past 30 s twice.
