@@ -179,9 +179,16 @@ class ModelAdapter(ABC):
         """The placeholder id whose positions take the visual tokens."""
         return int(self.config.image_token_id)
 
-    @abstractmethod
     def generation_inputs(self, prompts: list[list[int]], visuals: list[VisualTokens]) -> dict[str, Any]:
-        """Left-padded batch inputs for `model.generate` with cached embeddings injected."""
+        """Left-padded batch inputs for `model.generate` with cached embeddings injected: by
+        default the images' embeddings in batch order, which the model places over its image
+        placeholders in order (a family with more inputs, such as Qwen's grids, overrides this)."""
+        input_ids, attention = self.left_padded(prompts)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention,
+            "mm_encoder_outputs": self.mm_encoder_outputs([v.embeds.to(self.dtype) for v in visuals], []),
+        }
 
     def left_padded(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids and attention_mask of a batch, left-padded (every row's next token lands in
@@ -269,14 +276,6 @@ class TiledImageAdapter(ModelAdapter):
     scatters one concatenated run of the batch's tokens over its image placeholders, in order."""
 
     tile_rule: Any  # the family's tile rule (ingest.token_rules): image_seq_len tokens per tile
-
-    def generation_inputs(self, prompts: list[list[int]], visuals: list[VisualTokens]) -> dict[str, Any]:
-        input_ids, attention = self.left_padded(prompts)
-        return {
-            "input_ids": input_ids,
-            "attention_mask": attention,
-            "mm_encoder_outputs": self.mm_encoder_outputs([v.embeds.to(self.dtype) for v in visuals], []),
-        }
 
     def mm_encoder_outputs(
         self, embeds: list[torch.Tensor], extras: list[dict[str, torch.Tensor]]

@@ -179,15 +179,6 @@ class LlavaOnevisionAdapter(ModelAdapter):
         expanded = text.replace(processor.image_token, processor.image_token * count)
         return self.tokenizer(expanded, add_special_tokens=True)["input_ids"]
 
-    def generation_inputs(self, prompts: list[list[int]], visuals: list[VisualTokens]) -> dict[str, Any]:
-        input_ids, attention = self.left_padded(prompts)
-        return {
-            "input_ids": input_ids,
-            "attention_mask": attention,
-            # Per image, in row order: the model concatenates them over the <image> positions.
-            "mm_encoder_outputs": self.mm_encoder_outputs([v.embeds.to(self.dtype) for v in visuals], []),
-        }
-
     # --- vLLM ------------------------------------------------------------------------------
 
     def collapse_image_placeholders(self, prompt_ids: list[int], num_visual_tokens: int) -> list[int]:
