@@ -1,25 +1,18 @@
-"""The ingest stage for one source: detect, hash, split into images, store them, count visual tokens.
-
-The token count comes from the model's own resize rule, handed in as a function, so that
-generation batches can be packed before any GPU work and ingest needs no model weights.
+"""The ingest stage's file-level helpers: hash a source, check it, walk folders, name and store an
+image by its pixels. (Each unit's row and token count: ingest.budget_rows.)
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from PIL import Image
 
 from ingest.image_file import IMAGE_SUFFIX, encode_image
-from ingest.isolation import StoredUnit
 from ingest.limits import Limits
-from ingest.units import SourceError, UnitFailure
+from ingest.units import SourceError
 from storage.object_store import ObjectStore
-from storage.rows import UnitRow
-
-TokenCounter = Callable[[int, int], int]  # (width, height) -> visual tokens
 
 DEFAULT_LIMITS = Limits()
 
@@ -68,44 +61,6 @@ def check_source(path: Path, limits: Limits = DEFAULT_LIMITS) -> None:
             f"file is {size / 1e6:,.1f} MB, over the limit of {limits.max_source_bytes / 1e6:,.1f} MB "
             "(VISBATCH_LIMIT_MAX_SOURCE_BYTES)"
         )
-
-
-def unit_rows(
-    items: Iterable[StoredUnit | UnitFailure], count_tokens: TokenCounter, max_tokens: int
-) -> Iterator[UnitRow]:
-    """One row per page or frame; a page or frame that fails is a row with an error, not an exception.
-
-    The images were rendered and stored by the splitting process; here each unit gets its
-    visual-token count from the model's resize rule (no weights needed).
-    """
-    for item in items:
-        if isinstance(item, UnitFailure):
-            yield UnitRow(
-                index=item.index, width=None, height=None, image_key=None, visual_tokens=None,
-                timestamp=item.timestamp, error=item.message,
-            )  # fmt: skip
-            continue
-        yield _row(item, count_tokens, max_tokens)
-
-
-def _row(item: StoredUnit, count_tokens: TokenCounter, max_tokens: int) -> UnitRow:
-    error, tokens = None, None
-    try:
-        tokens = count_tokens(item.width, item.height)
-    except ValueError as exc:  # e.g. an aspect ratio the model's resize rule refuses
-        error = f"cannot be encoded: {exc}"
-    if tokens is not None and tokens > max_tokens:
-        error = f"{tokens} visual tokens, over the limit of {max_tokens} (VISBATCH_LIMIT_MAX_VISUAL_TOKENS)"
-    return UnitRow(
-        index=item.index,
-        width=item.width,
-        height=item.height,
-        image_key=None if error else item.image_key,
-        visual_tokens=None if error else tokens,
-        timestamp=item.timestamp,
-        text=item.text,
-        error=error,
-    )
 
 
 def expand_paths(paths: list[Path]) -> list[Path]:
