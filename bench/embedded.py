@@ -18,7 +18,7 @@ from visbatch.settings import Settings
 from worker.drivers.embedded import start_local_job
 from worker.runtime import Runtime
 from worker.stages.encode import encode_units
-from worker.stages.generate import GenerateLoop
+from worker.stages.generate import GenerateLoop, JobUnits
 from worker.stages.ingest import ingest_source
 
 STAGES = ("ingest", "encode", "generate")
@@ -58,7 +58,7 @@ def run_staged(rt: Runtime, paths: list[Path], spec: JobSpec, stages: tuple[str,
 
     def generate() -> None:
         loop = GenerateLoop(rt)
-        loop.add([(u, spec) for u in repo.units_in_state(rt.db, job_id, UnitStatus.ENCODED)])
+        loop.add(JobUnits(repo.units_in_state(rt.db, job_id, UnitStatus.ENCODED), spec))
         loop.run_until_idle()
 
     steps = {"ingest": ingest, "encode": encode, "generate": generate}

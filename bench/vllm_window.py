@@ -41,7 +41,7 @@ def main() -> None:
     from worker.drivers.embedded import ingest_only
     from worker.runtime import Runtime
     from worker.stages.encode import encode_units
-    from worker.stages.generate import GenerateLoop
+    from worker.stages.generate import GenerateLoop, JobUnits
 
     quiet()
     pages = 8 if args.quick else 48
@@ -54,21 +54,21 @@ def main() -> None:
         for n in NEW_TOKENS
     ]
 
-    def fresh_jobs() -> list[tuple[object, JobSpec]]:
+    def fresh_jobs() -> list[JobUnits]:
         """New jobs over the same pages: stored and encoded (cache hits after the first), unanswered."""
-        units = []
+        jobs = []
         for pdf, spec in zip(pdfs, specs, strict=True):
             job = ingest_only(rt, [pdf], spec)
             encode_units(rt, repo.units_in_state(rt.db, job, UnitStatus.PENDING))
-            units += [(u, spec) for u in repo.units_in_state(rt.db, job, UnitStatus.ENCODED)]
-        return units
+            jobs.append(JobUnits(repo.units_in_state(rt.db, job, UnitStatus.ENCODED), spec))
+        return jobs
 
     engine = rt.engine
     llm = engine.llm  # started here: no arm pays for it
 
-    def vllm_inputs(units) -> tuple[list, list]:
+    def vllm_inputs(jobs: list[JobUnits]) -> tuple[list, list]:
         prompts, params = [], []
-        for unit, spec in units:
+        for unit, spec in ((unit, job.spec) for job in jobs for unit in job.units):
             for prepared in rt.requests.prepare(unit, spec, list(range(len(spec.prompts)))):
                 request = prepared.request
                 prompts.append(rt.adapter.vllm_prompt(request.prompt_ids, request.visual, request.cache_key))
@@ -87,9 +87,10 @@ def main() -> None:
             tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
         return tokens
 
-    def arm_visbatch(units) -> int:
+    def arm_visbatch(jobs: list[JobUnits]) -> int:
         loop = GenerateLoop(rt)
-        loop.add(list(units))
+        for job in jobs:
+            loop.add(job)
         loop.run_until_idle()
         return loop.results_stored
 
@@ -99,11 +100,11 @@ def main() -> None:
     for rep in range(args.reps):
         order = list(arms) if rep % 2 == 0 else list(reversed(arms))
         for name in order:
-            units = fresh_jobs()
-            requests = sum(len(s.prompts) for _, s in units)
+            jobs = fresh_jobs()
+            requests = sum(job.size * len(job.spec.prompts) for job in jobs)
             llm.reset_prefix_cache()
             started = time.perf_counter()
-            arms[name](units)
+            arms[name](jobs)
             seconds[name].append(time.perf_counter() - started)
             print(f"[vllm_window] rep {rep} {name}: {seconds[name][-1]:.1f} s", flush=True)
     per_second = {name: rounded(requests / median(s)) for name, s in seconds.items()}

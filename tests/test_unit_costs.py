@@ -24,7 +24,7 @@ from tests.media import write_pdf
 from worker.drivers.embedded import start_local_job
 from worker.runtime import Runtime
 from worker.stages.encode import encode_units
-from worker.stages.generate import GenerateLoop, UnitIds, UnitsOutcome, _Ticket
+from worker.stages.generate import GenerateLoop, JobUnits, UnitIds, UnitsOutcome, _Ticket
 from worker.stages.ingest import ingest_source
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ def test_one_read_of_units_and_answers_for_every_waiting_message(counting, setti
     one_by_one = GenerateLoop(rt)
     before = counting(answers)
     for unit in units[:2]:
-        one_by_one.add([(unit, SPEC)])
+        one_by_one.add(JobUnits([unit], SPEC))
     assert counting(answers) - before == 2
     one_by_one.run_until_idle()
 

@@ -39,7 +39,7 @@ from worker.retry import describe
 from worker.runtime import Runtime
 from worker.stages.encode import encode_units
 from worker.stages.encode import give_up as give_up_encode
-from worker.stages.generate import GenerateService
+from worker.stages.generate import GenerateService, JobUnits
 from worker.stages.generate import give_up as give_up_generate
 from worker.stages.ingest import IngestStep, ingest_source, local_copy
 from worker.stages.ingest import give_up as give_up_ingest
@@ -181,7 +181,7 @@ class EmbeddedRun:
             self._counts.encoded += len(encoded or [])
         try:
             if encoded:
-                future = generate.submit([(u, spec) for u in encoded])
+                future = generate.submit(JobUnits(encoded, spec))
                 future.add_done_callback(self._answered)
                 waits.append(future)
             for start in range(0, len(pending or []), 64):
@@ -315,7 +315,7 @@ class EmbeddedRun:
             self._counts.encoded += len(units)
         self.progress.update("encode", self._counts.encoded, self._counts.units)
         if step.encoded:
-            future = generate.submit([(u, spec) for u in step.encoded])
+            future = generate.submit(JobUnits(step.encoded, spec))
             future.add_done_callback(functools.partial(self._answered, [u.unit_id for u in step.encoded]))
             waits.append(future)
 

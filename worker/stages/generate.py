@@ -1,11 +1,12 @@
 """The generate stage: keep the engine full, store each unit's results as soon as they are all in.
 
-`GenerateLoop` is driven by one thread. Units come in with their job's spec; each is asked the
-prompts it has no good answer to yet (all of them, unless a job is resumed or a message
-redelivered), all its requests added to the engine together (vLLM's prefix cache then serves the
-image to every prompt after the first). The loop keeps up to `window` requests in flight and
-refills as they finish, so vLLM's scheduler always has hundreds of sequences to run instead of
-one small batch at a time; the transformers engine packs what is queued into static batches.
+`GenerateLoop` is driven by one thread. Units come in a job at a time (JobUnits or UnitIds: one
+spec for a submission's units); each is asked the prompts it has no good answer to yet (all of
+them, unless a job is resumed or a message redelivered), all its requests added to the engine
+together (vLLM's prefix cache then serves the image to every prompt after the first). The loop
+keeps up to `window` requests in flight and refills as they finish, so vLLM's scheduler always
+has hundreds of sequences to run instead of one small batch at a time; the transformers engine
+packs what is queued into static batches.
 A unit's results are stored, and the unit marked done, in one transaction (storage.results);
 writes are grouped (every FLUSH_UNITS units or FLUSH_SECONDS), never per request.
 
@@ -62,17 +63,33 @@ class ServiceClosed(RuntimeError):
 
 
 @dataclass(frozen=True)
+class JobUnits:
+    """Units of one job, read already (the embedded run hands on what its encode step wrote)."""
+
+    units: list[UnitTask]
+    spec: JobSpec
+
+    @property
+    def size(self) -> int:
+        return len(self.units)
+
+
+@dataclass(frozen=True)
 class UnitIds:
-    """Units named by id (a fleet message): read, still encoded, with the batch they arrive in."""
+    """Units of one job named by id (a fleet message): read, still encoded, with the batch they
+    arrive in."""
 
     unit_ids: list[int]
     spec: JobSpec
 
+    @property
+    def size(self) -> int:
+        return len(self.unit_ids)
 
-# What `GenerateLoop.add_many` takes: units (with their job's spec) or their ids, and the ticket
-# whose Future their submitter waits on.
-Submission = tuple["list[tuple[UnitTask, JobSpec]] | UnitIds", "_Ticket | None"]
-_WithUnits = tuple[list[tuple[UnitTask, JobSpec]], "_Ticket | None"]
+
+# What `GenerateLoop.add_many` takes: one job's units or their ids, and the ticket whose Future
+# their submitter waits on.
+Submission = tuple["JobUnits | UnitIds", "_Ticket | None"]
 
 
 @dataclass
@@ -149,17 +166,17 @@ class GenerateLoop:
     def jobs(self) -> set[str]:
         return {w.unit.job_id for w in self._work.values()} | {w.unit.job_id for w in self._answered}
 
-    def add(self, items: list[tuple[UnitTask, JobSpec]], ticket: _Ticket | None = None) -> None:
+    def add(self, job: JobUnits, ticket: _Ticket | None = None) -> None:
         """Ask each unit the prompts it has no good answer to yet; all of a unit's requests together."""
-        self.add_many([(items, ticket)])
+        self.add_many([(job, ticket)])
 
     def add_many(self, batch: list[Submission]) -> None:
         """`add` for several submissions with ONE read of their units (those named by id) and ONE
         of the answers already stored: a fleet worker gets a message per unit, and reading per
         message was two SQL transactions per page."""
-        batch = self._read_units(batch)
+        read = self._read_units(batch)
         fresh = sorted({
-            u.unit_id for items, _ in batch for u, _ in items
+            u.unit_id for job, _ in read for u in job.units
             if u.job_id not in self._stopped and u.unit_id not in self._work
         })  # fmt: skip
         try:
@@ -169,16 +186,14 @@ class GenerateLoop:
                 else {}
             )
         except Exception as exc:  # the database stayed away: these units are not taken
-            for _, ticket in batch:
+            for _, ticket in read:
                 if ticket is not None:
                     ticket.fail(exc)
             return
-        for items, ticket in batch:
-            self._add(items, ticket, answered)
+        for job, ticket in read:
+            self._add(job, ticket, answered)
 
-    def _read_units(
-        self, batch: list[Submission]
-    ) -> list[tuple[list[tuple[UnitTask, JobSpec]], _Ticket | None]]:
+    def _read_units(self, batch: list[Submission]) -> list[tuple[JobUnits, _Ticket | None]]:
         """The submissions with their units: those named by id read in one query, still encoded
         (a redelivered message's units already done are left out; a submission left with none is
         settled at once)."""
@@ -193,37 +208,36 @@ class GenerateLoop:
                 units = {u.unit_id: u for u in read}
             except Exception as exc:  # the database stayed away: these submitters hear why
                 error = exc
-        out: list[_WithUnits] = []
+        out: list[tuple[JobUnits, _Ticket | None]] = []
         for req, ticket in batch:
-            if not isinstance(req, UnitIds):
+            if isinstance(req, JobUnits):
                 out.append((req, ticket))
                 continue
             if error is not None:
                 if ticket is not None:
                     ticket.fail(error)
                 continue
-            items = [(units[i], req.spec) for i in dict.fromkeys(req.unit_ids) if i in units]
+            found = [units[i] for i in dict.fromkeys(req.unit_ids) if i in units]
             if ticket is not None:
-                ticket.left = len(items)
-                if not items and not ticket.future.done():
+                ticket.left = len(found)
+                if not found and not ticket.future.done():
                     ticket.future.set_result(UnitsOutcome())
-            if items:
-                out.append((items, ticket))
+            if found:
+                out.append((JobUnits(found, req.spec), ticket))
         return out
 
-    def _add(
-        self, items: list[tuple[UnitTask, JobSpec]], ticket: _Ticket | None, answered: dict[int, set[int]]
-    ) -> None:
-        refused = [u for u, _ in items if u.job_id in self._stopped]
+    def _add(self, job: JobUnits, ticket: _Ticket | None, answered: dict[int, set[int]]) -> None:
+        spec = job.spec
+        refused = [u for u in job.units if u.job_id in self._stopped]
         if refused and ticket is not None:
             for _ in refused:
                 ticket.settle(stored=False)
-        items = [(u, s) for u, s in items if u.job_id not in self._stopped]
-        fresh = [(u, s) for u, s in items if u.unit_id not in self._work]
-        for unit, _ in items:
+        units = [u for u in job.units if u.job_id not in self._stopped]
+        fresh = [u for u in units if u.unit_id not in self._work]
+        for unit in units:
             if unit.unit_id in self._work and ticket is not None:  # redelivered while in flight
                 self._work[unit.unit_id].tickets.append(ticket)
-        for unit, spec in fresh:
+        for unit in fresh:
             prompts = [p for p in range(len(spec.prompts)) if p not in answered.get(unit.unit_id, ())]
             work = _Work(unit, spec, waiting=len(prompts), tickets=[ticket] if ticket else [])
             if not prompts:  # every answer is stored already: only the unit's state is left
@@ -420,15 +434,9 @@ def _count(rows: list[tuple[str, ResultRow]], units: int) -> None:
             ).inc()
 
 
-def _requests(items: list[tuple[UnitTask, JobSpec]] | UnitIds) -> int:
+def _requests(job: JobUnits | UnitIds) -> int:
     """Requests a submission adds to the engine at most (a unit's prompts)."""
-    if isinstance(items, UnitIds):
-        return len(items.unit_ids) * len(items.spec.prompts)
-    return sum(len(spec.prompts) for _, spec in items)
-
-
-def _size(items: list[tuple[UnitTask, JobSpec]] | UnitIds) -> int:
-    return len(items.unit_ids) if isinstance(items, UnitIds) else len(items)
+    return job.size * len(job.spec.prompts)
 
 
 class GenerateService:
@@ -443,7 +451,7 @@ class GenerateService:
         on_jobs_stopped: Callable[[set[str]], None] | None = None,
     ) -> None:
         self.loop = GenerateLoop(rt, window=window, on_jobs_stopped=on_jobs_stopped)
-        self._inbox: queue.Queue[tuple[list[tuple[UnitTask, JobSpec]], _Ticket]] = queue.Queue()
+        self._inbox: queue.Queue[tuple[JobUnits | UnitIds, _Ticket]] = queue.Queue()
         # Backpressure for the embedded run: submit blocks while this many units wait in the inbox.
         self._room = threading.BoundedSemaphore(max_waiting_units) if max_waiting_units else None
         self._closing = threading.Event()
@@ -452,11 +460,11 @@ class GenerateService:
         self._thread = threading.Thread(target=self._run, name="generate", daemon=True)
         self._thread.start()
 
-    def submit(self, items: list[tuple[UnitTask, JobSpec]] | UnitIds) -> Future:
-        """Units to answer, or their ids (read with the batch they arrive in, those still encoded);
-        the Future gives a UnitsOutcome once all are stored (or dropped)."""
+    def submit(self, job: JobUnits | UnitIds) -> Future:
+        """One job's units to answer, or their ids (read with the batch they arrive in, those still
+        encoded); the Future gives a UnitsOutcome once all are stored (or dropped)."""
         future: Future = Future()
-        size = _size(items)
+        size = job.size
         if not size:
             future.set_result(UnitsOutcome())
             return future
@@ -471,7 +479,7 @@ class GenerateService:
                 if self._closing.is_set():
                     future.set_exception(ServiceClosed("the generate service is closed"))
                     return future
-        self._inbox.put((items, _Ticket(future, left=size)))
+        self._inbox.put((job, _Ticket(future, left=size)))
         return future
 
     def _take(self, timeout: float) -> bool:
@@ -492,8 +500,8 @@ class GenerateService:
             for _ in batch:
                 self._room.release()
         if self._aborted.is_set():
-            for items, ticket in batch:
-                ticket.future.set_result(UnitsOutcome(dropped=_size(items)))
+            for job, ticket in batch:
+                ticket.future.set_result(UnitsOutcome(dropped=job.size))
         else:
             self.loop.add_many(batch)
         return True
