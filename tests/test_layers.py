@@ -128,3 +128,9 @@ def test_one_engine_per_file_and_no_sibling_imports():
         and not any(_within(name, s) for s in ENGINE_SHARED)
     ]  # fmt: skip
     assert crossing == []
+
+
+def test_stages_take_what_they_need_not_the_runtime():
+    """A stage is handed the services it declares (worker.stages.needs), which the Runtime
+    provides; it never imports the Runtime, so it cannot reach what it did not declare."""
+    assert _breaking("worker.stages", forbidden=("worker.runtime",)) == []

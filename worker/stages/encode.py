@@ -18,7 +18,7 @@ from storage.models import UnitStatus
 from storage.rows import UnitTask
 from worker import metrics
 from worker.retry import failure_message
-from worker.runtime import Runtime
+from worker.stages.needs import EncodeNeeds
 
 
 @dataclass
@@ -28,7 +28,7 @@ class EncodeStep:
     closed: dict[str, str] = field(default_factory=dict)
 
 
-def encode_units(rt: Runtime, units: list[UnitTask], cache: str = "cold") -> EncodeStep:
+def encode_units(rt: EncodeNeeds, units: list[UnitTask], cache: str = "cold") -> EncodeStep:
     """Make sure every unit's visual tokens are cached, in the tiers the job's cache policy uses
     (`cache`: ingest.spec.CachePolicy); units that can never be encoded fail."""
     step = EncodeStep()

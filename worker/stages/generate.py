@@ -40,7 +40,7 @@ from storage.models import UnitStatus
 from storage.rows import ResultRow, UnitTask
 from worker import metrics
 from worker.retry import describe, failure_message
-from worker.runtime import Runtime
+from worker.stages.needs import GenerateNeeds
 from worker.tokens.request_builder import Prepared
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class _Ticket:
 class GenerateLoop:
     def __init__(
         self,
-        rt: Runtime,
+        rt: GenerateNeeds,
         *,
         window: int | None = None,
         on_jobs_stopped: Callable[[set[str]], None] | None = None,
@@ -444,7 +444,7 @@ class GenerateService:
 
     def __init__(
         self,
-        rt: Runtime,
+        rt: GenerateNeeds,
         *,
         window: int | None = None,
         max_waiting_units: int | None = None,

@@ -28,7 +28,7 @@ from storage.db import Database
 from storage.rows import UnitRow, UnitTask
 from worker import metrics
 from worker.retry import failure_message
-from worker.runtime import Runtime
+from worker.stages.needs import IngestNeeds
 
 UNIT_CHUNK = 64  # rows per insert: bounds memory on 2,000-page PDFs
 FLUSH_SECONDS = 0.5  # a chunk goes on to encode at most this long after its first unit
@@ -48,8 +48,8 @@ class IngestStep:
 class _Chunks:
     """Stores rows in chunks (by count or age) and hands each chunk's pending units on."""
 
-    def __init__(self, rt: Runtime, job_id: str, source_id: int, uri: str, on_units: OnUnits | None) -> None:
-        self.rt, self.job_id, self.source_id, self.uri = rt, job_id, source_id, uri
+    def __init__(self, db: Database, job_id: str, source_id: int, uri: str, on_units: OnUnits | None) -> None:
+        self.db, self.job_id, self.source_id, self.uri = db, job_id, source_id, uri
         self.on_units = on_units
         self.kind: str | None = None
         self.sha256: str | None = None  # the file the rows come from (pinned on the source)
@@ -68,7 +68,7 @@ class _Chunks:
         if not self.rows:
             return
         rows, self.rows = self.rows, []
-        ids = repo.add_units(self.rt.db, self.job_id, self.source_id, rows, sha256=self.sha256)
+        ids = repo.add_units(self.db, self.job_id, self.source_id, rows, sha256=self.sha256)
         self.stored += len(rows)
         for row in rows:
             outcome = "failed" if row.error else "skipped" if row.skip_reason else "ok"
@@ -101,7 +101,7 @@ class _Chunks:
 
 
 @contextlib.contextmanager
-def local_copy(rt: Runtime, location: str) -> Iterator[Path]:
+def local_copy(rt: IngestNeeds, location: str) -> Iterator[Path]:
     """A local path for a source: as is (a path, or file:// on a shared folder), or streamed from the
     object store (store:<key>, a file `visbatch submit` uploaded) or S3 to a temporary file."""
     if location.startswith("file://"):
@@ -125,7 +125,7 @@ def local_copy(rt: Runtime, location: str) -> Iterator[Path]:
 
 
 def ingest_source(
-    rt: Runtime,
+    rt: IngestNeeds,
     job_id: str,
     source_id: int,
     uri: str,
@@ -149,7 +149,7 @@ def ingest_source(
     started = time.monotonic()
     seen = 0  # rows read from the child: one per page of the range (no skip with a time budget)
     step = IngestStep()
-    chunks = _Chunks(rt, job_id, source_id, uri, on_units)
+    chunks = _Chunks(rt.db, job_id, source_id, uri, on_units)
     info: SourceInfo | None = None
     error: str | None = None
     try:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ingest.spec import JobSpec
 from storage import repository as repo
-from worker.runtime import Runtime
+from worker.stages.needs import StartNeeds
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class SourceToIngest:
 
 
 def start_job(
-    rt: Runtime, spec: JobSpec, inputs: list[SourceInput], *, fleet: bool = False
+    rt: StartNeeds, spec: JobSpec, inputs: list[SourceInput], *, fleet: bool = False
 ) -> tuple[str, list[SourceToIngest]]:
     """Create the job (running, spec with the runtime's model) and its sources in one transaction.
 
@@ -46,7 +46,7 @@ def start_job(
     ]
 
 
-def reopen_job(rt: Runtime, job_id: str) -> tuple[repo.ReopenedJob, JobSpec]:
+def reopen_job(rt: StartNeeds, job_id: str) -> tuple[repo.ReopenedJob, JobSpec]:
     """A stopped job made runnable again in place (storage.jobs.reopen_job), with its spec."""
     reopened = repo.reopen_job(rt.db, job_id)
     state = repo.job_state(rt.db, reopened.job_id)
