@@ -456,6 +456,11 @@ class GenerateService:
         self._room = threading.BoundedSemaphore(max_waiting_units) if max_waiting_units else None
         self._closing = threading.Event()
         self._aborted = threading.Event()  # from now on, everything is dropped
+        # Taken to put into the inbox and, by the service thread, to mark it drained for good: a
+        # submission can never land after the last drain, where no one would ever answer it (its
+        # task thread would wait forever, and a warm-stopping worker with it).
+        self._gate = threading.Lock()
+        self._drained = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="generate", daemon=True)
         self._thread.start()
@@ -479,7 +484,13 @@ class GenerateService:
                 if self._closing.is_set():
                     future.set_exception(ServiceClosed("the generate service is closed"))
                     return future
-        self._inbox.put((job, _Ticket(future, left=size)))
+        with self._gate:
+            if self._drained:
+                if self._room is not None:
+                    self._room.release()
+                future.set_exception(self.error or ServiceClosed("the generate service stopped"))
+                return future
+            self._inbox.put((job, _Ticket(future, left=size)))
         return future
 
     def _take(self, timeout: float) -> bool:
@@ -522,6 +533,8 @@ class GenerateService:
         finally:
             # What was not stored must be done elsewhere: its submitters hear why.
             loop.drop_all(self.error or ServiceClosed("the generate service stopped"))
+            with self._gate:
+                self._drained = True
             self._fail_waiting()
 
     def _fail_waiting(self) -> None:
