@@ -93,13 +93,11 @@ def write_bad_inputs(folder: Path) -> dict[str, Path]:
     return paths
 
 
-def write_slow_pdf(path: Path, pages: int) -> Path:
-    """Pages with thousands of translucent vector shapes: ~0.1 s each to render at 448 px, so a
-    test can act while a source is still being split (image sizes, and so encode cost, stay small).
-
-    The shapes are drawn once, into a form every page shows (its own "page N" makes each page's
-    image its own): each page still renders all of them, but writing 100 pages takes about a
-    second, not the minute that drawing them page by page took (issue 20)."""
+def slow_shapes() -> pymupdf.Document:
+    """A one-page PDF of thousands of translucent vector shapes: ~0.1 s to render at 448 px. Drawn
+    once, it is shown on any number of pages as a form (`page.show_pdf_page`): each page still
+    renders all of the shapes, but writing 100 pages takes about a second, not the minute that
+    drawing them page by page took (issue 20). The caller closes it."""
     shapes = pymupdf.open()
     template = shapes.new_page(width=595, height=842)
     shape = template.new_shape()
@@ -107,6 +105,13 @@ def write_slow_pdf(path: Path, pages: int) -> Path:
         shape.draw_circle(((i * 37) % 560 + 10, (i * 53) % 820 + 10), 3 + i % 5)
     shape.finish(color=(0, 0, 1), fill=(0.5, 0.2, 0.1), fill_opacity=0.3)
     shape.commit()
+    return shapes
+
+
+def write_slow_pdf(path: Path, pages: int) -> Path:
+    """Pages of `slow_shapes()`, so a test can act while a source is still being split (image
+    sizes, and so encode cost, stay small); each page's own "page N" makes its image its own."""
+    shapes = slow_shapes()
     doc = pymupdf.open()
     for n in range(pages):
         page = doc.new_page(width=595, height=842)

@@ -32,6 +32,7 @@ from sqlalchemy import text
 
 from tests.faults import PostgresCluster, RedisServer, TCPProxy
 from tests.fleet_harness import Fleet
+from tests.media import slow_shapes
 
 pytestmark = [
     pytest.mark.slow,
@@ -69,18 +70,17 @@ class Doc:
         self.name, self.pages = name, pages
         self.path = folder / f"{name}.pdf"
         self.words = [f"doc-{name} page {n} {secrets.token_hex(4)}" for n in range(pages)]
+        shapes = slow_shapes() if slow else None  # ~0.1 s a page to render (tests/media.py)
         doc = pymupdf.open()
-        for n, words in enumerate(self.words):
+        for words in self.words:
             page = doc.new_page(width=595, height=842)
-            if slow:  # thousands of translucent shapes: ~0.1 s a page to render (tests/media.py)
-                shape = page.new_shape()
-                for i in range(3000):
-                    shape.draw_circle(((i * 37 + n) % 560 + 10, (i * 53) % 820 + 10), 3 + i % 5)
-                shape.finish(color=(0, 0, 1), fill=(0.5, 0.2, 0.1), fill_opacity=0.3)
-                shape.commit()
+            if shapes is not None:
+                page.show_pdf_page(page.rect, shapes, 0)
             page.insert_text((72, 72), words, fontsize=14)
         doc.save(str(self.path))
         doc.close()
+        if shapes is not None:
+            shapes.close()
 
 
 def _docs(tmp: Path, tag: str, *spec: tuple[int, bool]) -> list[Doc]:
@@ -183,7 +183,7 @@ def _local_render(doc: Doc, options) -> dict[int, str]:
     return _RENDERS[key]
 
 
-def _render_ahead(o: Outages, job: str, docs: list[Doc]) -> threading.Thread:
+def _render_ahead(o: Outages, job: str, docs: list[Doc], *, start: bool = True) -> threading.Thread:
     """The local renders of a job's PDFs, made while the job runs (its checks join the thread)."""
     from ingest.spec import JobSpec
 
@@ -191,7 +191,8 @@ def _render_ahead(o: Outages, job: str, docs: list[Doc]) -> threading.Thread:
         spec = conn.execute(text("SELECT spec FROM jobs WHERE id = :j"), {"j": job}).scalar_one()
     options = JobSpec.model_validate(spec).ingest
     thread = threading.Thread(target=lambda: [_local_render(d, options) for d in docs], daemon=True)
-    thread.start()
+    if start:
+        thread.start()
     return thread
 
 
@@ -271,11 +272,14 @@ def _units(o: Outages, job: str) -> int:
     return _count(o, "SELECT count(*) FROM units WHERE job_id = :j", job)
 
 
-def _submit(o: Outages, docs: list[Doc], options: list[str] = OPTIONS) -> tuple[str, threading.Thread]:
-    """The job's id, and the thread rendering its PDFs here for the checks."""
+def _submit(
+    o: Outages, docs: list[Doc], options: list[str] = OPTIONS, *, render_ahead: bool = True
+) -> tuple[str, threading.Thread]:
+    """The job's id, and the thread rendering its PDFs here for the checks (started unless
+    `render_ahead` is False: then the caller starts it)."""
     prompts = [a for p in PROMPTS for a in ("-p", p)]
     job = o.fleet.submit(*(str(d.path) for d in docs), *prompts, *options)
-    return job, _render_ahead(o, job, docs)
+    return job, _render_ahead(o, job, docs, start=render_ahead)
 
 
 def _fault_then_second_job(o: Outages, tmp: Path, stage: str, fault: Callable[[], None]) -> None:
@@ -292,12 +296,16 @@ def _fault_then_second_job(o: Outages, tmp: Path, stage: str, fault: Callable[[]
         assert _count(o, slow, job) < docs[0].pages, "the slow PDF was all rendered: make it slower"
     else:
         docs = _docs(tmp, "a", (24, False), (6, False))
-        job, ahead = _submit(o, docs, GENERATE_OPTIONS)
+        # The local renders wait until the fault is in: rendering in this process holds the GIL,
+        # and a poll starved by it saw the first results only once generation had ended.
+        job, ahead = _submit(o, docs, GENERATE_OPTIONS, render_ahead=False)
         total = sum(d.pages for d in docs) * len(PROMPTS)
         _wait_for(lambda: fleet.result_count(job) > 0, 240, f"first results of {job}\n{fleet.logs()}")
         assert fleet.result_count(job) < total, "generation ended before the fault: make it longer"
     started = time.monotonic()
     fault()
+    if stage != "ingest":
+        ahead.start()
     fleet.wait([job], timeout=JOB_TIMEOUT_S)
     recovered = time.monotonic()
     _check_job(o, job, docs, since, ahead)
