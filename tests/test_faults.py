@@ -18,13 +18,13 @@ from tests.media import write_pdf, write_slow_pdf
 
 # Budget: ~180 s on a busy 2-core machine (2026-12-02, load 2): a fleet per fault, and the kill
 # tests wait out a 20 s visibility timeout (the fleet fixture's, shortened for them: they are about
-# redelivery, not its delay); the S3 outage lasts 20 s on purpose (botocore's own retries).
+# redelivery, not its delay).
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.fleet,
     pytest.mark.faults,
     pytest.mark.usefixtures("redis_url"),
-    pytest.mark.budget(360, reason="a fleet per fault, a 20 s visibility timeout, a 20 s S3 outage"),
+    pytest.mark.budget(360, reason="a fleet per fault, a 20 s visibility timeout"),
 ]
 
 PROMPTS = ["-p", "What is on this page?", "-p", "Any table?"]
@@ -188,9 +188,10 @@ def test_s3_throttling_and_cache_redis_down(tmp_path, tiny_model_dir, postgres_u
 
 
 def test_s3_outage_during_encode_fails_no_page(tmp_path, tiny_model_dir, postgres_url, s3_server, s3_bucket):
-    """The image store and the cold token cache (S3) cut for 20 s once ingest is done and encoding
-    starts: the encode tasks meet connection errors, which are transient (storage.errors), so they
-    are retried with backoff instead of failing pages; the job succeeds, with every page answered."""
+    """The image store and the cold token cache (S3) cut once ingest is done and encoding starts,
+    until a worker has retried after the connection errors (botocore's own retries spent: its log
+    line, an event, not the fixed 20 s it was, issue 20): they are transient (storage.errors), so
+    they are retried with backoff instead of failing pages; the job succeeds, every page answered."""
     port = int(s3_server.rsplit(":", 1)[1])
     proxy = TCPProxy(port)
     fleet = Fleet(tmp_path, tiny_model_dir, postgres_url)
@@ -210,7 +211,7 @@ def test_s3_outage_during_encode_fails_no_page(tmp_path, tiny_model_dir, postgre
         _wait_until(lambda: _scalar(fleet, ingested, id=job) == 1, fleet)
         proxy.cut()
         fleet.start_worker("encode,generate")
-        time.sleep(20)
+        _wait_until(lambda: _retried(fleet), fleet, timeout=120)
         proxy.restore()
         fleet.wait([job], timeout=300)
         failed = _units(fleet, job, "failed")
@@ -235,7 +236,10 @@ def test_cancel_stops_a_running_generate_flush(fleet, tmp_path):
     out = fleet.run_cli("cancel", job)
     assert "cancelled" in out
     at_cancel = fleet.result_count(job)
-    time.sleep(8)  # several polls and engine steps
+    # The event: the generate worker's poll has seen the cancel and dropped the job's units
+    # (GenerateLoop.drop_jobs); then three more polls and flushes, in which nothing may land.
+    _wait_until(lambda: f"of stopped job(s) {job}" in fleet.logs(tail=10**7), fleet, timeout=60)
+    time.sleep(3)
     # What was being stored at that instant may land; nothing generated after it does.
     assert fleet.result_count(job) <= at_cancel + 4, fleet.logs()
     assert fleet.status(job) == "cancelled"
