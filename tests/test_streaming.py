@@ -4,7 +4,9 @@ on the tiny model, SQLite, a local folder. Nothing is mocked but the model weigh
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -108,8 +110,10 @@ def test_a_page_reaches_its_answer_while_later_pages_still_render(settings_facto
 
 @pytest.mark.signals
 def test_resume_after_sigkill_mid_generate(env, tmp_path):
-    """SIGKILL while answers are being stored; `visbatch resume` renders no page and encodes no image
-    again, generates only the missing answers, and ends with exactly one result per unit and prompt."""
+    """SIGKILL while answers are being stored: `status` and `jobs` say the job is interrupted, with
+    the resume command, never `running` (issue 21; tests/test_interrupted_jobs.py has the rest);
+    `visbatch resume` renders no page and encodes no image again, generates only the missing
+    answers, and ends with exactly one result per unit and prompt."""
     pdf = write_pdf(tmp_path / "doc.pdf", pages=6)
     proc = _start(env, "run", str(pdf), *PROMPTS, "--max-new-tokens", "32", "--longest-side", "448")
     job_id = _job_id(proc)
@@ -124,9 +128,21 @@ def test_resume_after_sigkill_mid_generate(env, tmp_path):
             and 0 < _count(db, results, id=job_id) < total
         )
     )
-    proc.kill()
+    proc.kill()  # SIGKILL: nothing the process can catch
     proc.wait(timeout=30)
     assert _count(db, results, id=job_id) < total, "finished before the kill: make generation slower"
+
+    status = subprocess.run([VISBATCH, "status", job_id], env=env, capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert re.search(r"status\s+interrupted", status.stdout), status.stdout
+    assert (
+        f"interrupted: the process that ran it (pid {proc.pid} on {socket.gethostname()}) is gone; "
+        f"continue it: visbatch resume {job_id}"
+    ) in " ".join(status.stdout.split()), status.stdout
+    assert "time left" not in status.stdout
+    listed = subprocess.run([VISBATCH, "jobs"], env=env, capture_output=True, text=True, timeout=60)
+    assert re.search(rf"{job_id[:12]}\s+interrupted\b", listed.stdout), listed.stdout
+    assert f"visbatch resume {job_id[:12]}" in listed.stderr
 
     resumed = subprocess.run(
         [VISBATCH, "resume", job_id[:8]], env=env, capture_output=True, text=True, timeout=600
