@@ -24,8 +24,9 @@ from visbatch.settings import Settings
 from worker.drivers.embedded import EmbeddedRun
 from worker.runtime import Runtime
 
-# Budget: ~46 s on a busy 2-core machine (2026-12-02, load 2): slow PDFs streamed, runs killed, resumed.
-pytestmark = [pytest.mark.slow, pytest.mark.budget(100, reason="slow PDFs streamed, runs killed and resumed")]
+# Budget: 65-82 s beside another xdist worker (make test, 2026-12-03): slow PDFs streamed, runs
+# killed (one also checked by status and jobs, from test_interrupted_jobs), resumed.
+pytestmark = [pytest.mark.slow, pytest.mark.budget(160, reason="slow PDFs streamed, runs killed and resumed")]
 
 VISBATCH = str(Path(sys.executable).with_name("visbatch"))
 PROMPTS = ["-p", "What is on this page?", "-p", "Is there a table? Answer yes or no."]
