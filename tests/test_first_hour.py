@@ -140,6 +140,14 @@ def test_3_the_run_ends_with_first_answers_and_the_results_command(first_run):
     assert f'"{Q1}"' in err and f'"{Q2}"' in err
     assert "invoice.pdf page 1:" in err and "clip.mp4 frame at 0:00.0:" in err
     assert f"all answers: visbatch results {job}" in err
+    # What this run did agrees with the job's summary (a fresh job: everything was done here).
+    [(split, tower, answers)] = re.findall(
+        r"this run: (\d+) pages/frames split, (\d+) images through the vision tower, (\d+) answers", err
+    )
+    assert re.search(rf"pages\+frames\s+{split} \(0 failed\)", err), err
+    assert re.search(rf"vision tower\s+{tower} images encoded, 0 from the cache", err), err
+    assert re.search(rf"answers\s+{answers} \(0 failed\)", err), err
+    assert (int(split), int(tower), int(answers)) == (4, 4, 8), err
 
 
 # 4 ---------------------------------------------------------------------------------------------

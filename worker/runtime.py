@@ -273,6 +273,12 @@ class Runtime:
         with self._lock:
             return list(self._splitters)
 
+    def images_encoded(self) -> int:
+        """Images this runtime's token store sent through the vision tower; 0 when the store was
+        never built (the model was never needed), without building it."""
+        store = self.__dict__.get("token_store")
+        return store.stats.images_encoded if store is not None else 0
+
     def close(self) -> None:
         self.close_splitters()
         if self._owns_db and "db" in self.__dict__:

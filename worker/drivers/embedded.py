@@ -209,10 +209,9 @@ class EmbeddedRun:
 
     def work_done(self) -> dict[str, int]:
         """What this run did (a resumed job shows that nothing was done twice)."""
-        tokens = self.rt.__dict__.get("tokens")  # None: the model was never needed
         return {
             "split": self._counts.split,
-            "tower_images": tokens.stats.images_encoded if tokens is not None else 0,
+            "tower_images": self.rt.images_encoded(),
             "answers": self.answers,
         }
 
