@@ -4,6 +4,7 @@ Redis server that can be restarted. Only loopback addresses are used."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 import shutil
@@ -60,7 +61,11 @@ class TCPProxy:
     def _listen(self) -> socket.socket:
         server = socket.socket()
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("127.0.0.1", self.port))
+        try:
+            server.bind(("127.0.0.1", self.port))
+        except OSError:
+            server.close()
+            raise
         server.listen(64)
         server.settimeout(0.2)
         return server
@@ -80,6 +85,12 @@ class TCPProxy:
                 client.close()
                 continue
             with self._lock:
+                if not self._up.is_set():
+                    # Accepted as the cut closed the listener: dropped like the others, not kept
+                    # open through the outage on the proxy's own port.
+                    for sock in (client, upstream):
+                        sock.close()
+                    continue
                 self._conns += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
@@ -112,7 +123,17 @@ class TCPProxy:
 
     def restore(self) -> None:
         if self._server is None:
-            self._server = self._listen()
+            # The port may stay held for a moment after the cut (a connection the listener took
+            # as it closed): try again for a while before calling the restore failed.
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    self._server = self._listen()
+                    break
+                except OSError as exc:
+                    if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
         self._up.set()
 
     def close(self) -> None:
