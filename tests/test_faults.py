@@ -16,15 +16,16 @@ from tests.faults import FlakyS3Proxy, RedisServer, TCPProxy
 from tests.fleet_harness import Fleet
 from tests.media import write_pdf, write_slow_pdf
 
-# Budget: ~180 s on a busy 2-core machine (2026-12-02, load 2): a fleet per fault, and the kill
+# Budget: ~180-200 s beside another xdist worker (2026-12-02/03): a fleet per fault, and the kill
 # tests wait out a 20 s visibility timeout (the fleet fixture's, shortened for them: they are about
-# redelivery, not its delay).
+# redelivery, not its delay). Once (2026-12-03) a killed encode worker's messages came back only
+# after ~2 min instead of ~20 s (the module took 303 s); not yet explained, hence the headroom.
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.fleet,
     pytest.mark.faults,
     pytest.mark.usefixtures("redis_url"),
-    pytest.mark.budget(360, reason="a fleet per fault, a 20 s visibility timeout"),
+    pytest.mark.budget(450, reason="a fleet per fault, a 20 s visibility timeout"),
 ]
 
 PROMPTS = ["-p", "What is on this page?", "-p", "Any table?"]
