@@ -47,6 +47,8 @@ def test_shipped_redis_defaults_redeliver_within_five_minutes():
 
     options = make_celery(settings).conf.broker_transport_options
     assert options["visibility_timeout"] == settings.visibility_timeout
+    # A worker killed while it held kombu's restore mutex blocks every restore until it expires.
+    assert options["unacked_mutex_expire"] <= settings.unacked_restore_interval + 10
 
 
 @pytest.mark.fleet

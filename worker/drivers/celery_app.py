@@ -44,6 +44,9 @@ def is_plain_redis(url: str) -> bool:
     return url.split("://", 1)[0] == "redis"
 
 
+UNACKED_MUTEX_EXPIRE_S = 10
+
+
 def make_celery(settings: Settings) -> Celery:
     if settings.visibility_timeout <= settings.task_time_limit:
         raise ValueError(
@@ -55,6 +58,11 @@ def make_celery(settings: Settings) -> Celery:
         "visibility_timeout": settings.visibility_timeout,
         "unacked_restore_interval": settings.unacked_restore_interval,
         "unacked_restore_throttle": 1,
+        # The sweep takes kombu's "unacked mutex" for milliseconds, but a worker killed while it
+        # held it (SIGKILL, OOM) leaves it to expire: kombu's default 300 s, during which no worker
+        # hands back any dead worker's tasks (seen: a job saved only by the stall watch after 2 min).
+        # A double restore is harmless (kombu restores a tag in a transaction), so expire it soon.
+        "unacked_mutex_expire": UNACKED_MUTEX_EXPIRE_S,
         "socket_timeout": 30,
         "socket_connect_timeout": 10,
         "health_check_interval": 25,
