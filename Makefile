@@ -11,17 +11,40 @@ TINY    := .visbatch/tiny-model
 VISBATCH_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/visbatch
 PIP_CACHE      := --cache-dir $(VISBATCH_CACHE)/pip
 
-.PHONY: install install-browser run check test test-vllm install-vllm lint format clean examples bench bench-quick bench-vllm install-bench
+.PHONY: install install-dev install-browser run check test test-vllm install-vllm lint format clean examples bench bench-quick bench-vllm install-bench
 
+# `make install` (and `make run`): visbatch and what it runs with; `make install-dev` (for the
+# tests, lint, examples) adds the dev extra (pytest, moto, selenium, ruff ...).
 install: $(VENV)/.installed
+install-dev: $(VENV)/.dev-installed
 
-# torch goes first and pinned: an unpinned torch makes pip download a multi-GB CUDA build.
+# The clone on sys.path (a .pth line), not setuptools' editable finder: that finder comes after
+# Python's own, so from the clone's parent folder `import visbatch` found the clone's folder (a
+# namespace package: "module 'visbatch' has no attribute 'run'"); on sys.path the real package wins.
+EDITABLE := --config-settings editable_mode=compat
+
+# torch goes first and pinned, never resolved by pip from visbatch's own requirements.
 # 2.14.1 + torchvision 0.29.1 are a matching pair (the Qwen2-VL processors need torchvision).
+# TORCH=pypi (the default, and the only choice where PyPI alone is reachable): PyPI's builds,
+# which are CUDA builds (they run on a CPU too): measured, the venv is 6.6 GB, of which the CUDA
+# libraries (nvidia-*) 3.2 GB and triton 0.9 GB. TORCH=cpu: the same versions from PyTorch's CPU
+# wheel index, without those, for machines without a GPU (README, "Install").
+TORCH ?= pypi
+ifeq ($(TORCH),cpu)
+TORCH_INDEX := --index-url https://download.pytorch.org/whl/cpu
+else ifneq ($(TORCH),pypi)
+$(error TORCH=$(TORCH): use TORCH=pypi (the default) or TORCH=cpu)
+endif
+
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q $(PIP_CACHE) --upgrade pip
-	$(PY) -m pip install -q $(PIP_CACHE) torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install -q $(PIP_CACHE) -e '.[dev]'
+	$(PY) -m pip install -q $(PIP_CACHE) $(TORCH_INDEX) torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q $(PIP_CACHE) -e . $(EDITABLE)
+	touch $@
+
+$(VENV)/.dev-installed: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install -q $(PIP_CACHE) -e '.[dev]' $(EDITABLE)
 	touch $@
 
 $(TINY): | install
@@ -51,7 +74,7 @@ install-browser:
 # in about 2 minutes on 2 cores.
 CHECK_MARKERS := not slow and not fleet and not faults and not signals
 
-check: install
+check: install-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -m "$(CHECK_MARKERS)" --durations=10
@@ -68,7 +91,7 @@ else
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 endif
 
-test: install install-browser
+test: install-dev install-browser
 	$(BIN)/ruff check .
 	$(BIN)/pytest $(XDIST) --durations=25
 
@@ -103,11 +126,11 @@ $(VENV_VLLM)/.installed: pyproject.toml $(VLLM_REQS) $(VLLM_PINS) tests/vllm/bui
 test-vllm: install-vllm
 	VISBATCH_VLLM_TESTS=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm --durations=25
 
-lint: install
+lint: install-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-format: install
+format: install-dev
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
@@ -134,7 +157,7 @@ install-bench: $(VENV)/.bench-installed
 	@bash bench/install_baselines.sh
 
 $(VENV)/.bench-installed: $(VENV)/.installed pyproject.toml
-	$(PY) -m pip install -q $(PIP_CACHE) -e '.[dev,bench]'
+	$(PY) -m pip install -q $(PIP_CACHE) -e '.[dev,bench]' $(EDITABLE)
 	touch $@
 
 clean:

@@ -126,7 +126,7 @@ class Step:
 def run_step(step: Step, client: Any, engine: Any, spec: Any, pdf_dir: Path) -> dict[str, Any]:
     from sqlalchemy import text
 
-    from worker.drivers.submit import submit_job
+    from worker.drivers.fleet.submit import submit_job
 
     ideal = step.n * gpu_pages_per_s() * speed()
     # At most MAX_PAGES: at the fastest steps the job is shorter, not the ingest queue longer.
@@ -205,7 +205,7 @@ def _wait_ready(step: Step, client: Any, spec: Any, engine: Any, pdf_dir: Path) 
     per worker has gone through (the broker spreads them), so the step times a warm fleet."""
     from sqlalchemy import text
 
-    from worker.drivers.submit import submit_job
+    from worker.drivers.fleet.submit import submit_job
 
     jobs = [submit_job(client, [str(make_pdf(pdf_dir / f"warm-{uuid.uuid4().hex[:6]}.pdf", 2))], spec)
             for _ in range(step.n)]  # fmt: skip

@@ -3,7 +3,7 @@
 Fleet: two `visbatch worker` processes on this machine, one on the ingest queue and one on
 encode + generate (the CPU worker / GPU worker split of a real deployment), Celery on the local
 Redis, results in PostgreSQL (a schema of its own), images and token cache in a shared folder.
-The job is submitted in-process (`worker.drivers.submit.submit_job`, what `visbatch submit` calls) and
+The job is submitted in-process (`worker.drivers.fleet.submit.submit_job`, what `visbatch submit` calls) and
 timed until its row is final. Embedded: `worker.drivers.embedded.run_job` in this process (SQLite, its
 own folders), the embedded defaults. Both are warmed up first (weights loaded, one small job),
 as a long-running fleet would be. Each repetition uses new PDFs (new pixels, so encode runs in
@@ -49,10 +49,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp, scratch_schema() as url:
         work = Path(tmp)
         fleet = BenchFleet(work, model, url)
-        os.environ.update(fleet.env)  # before worker.drivers.celery_app is imported (by submit_job)
+        os.environ.update(fleet.env)  # before worker.drivers.fleet.celery_app is imported (by submit_job)
         from visbatch.settings import Settings
         from worker.drivers.embedded import run_job
-        from worker.drivers.submit import submit_job
+        from worker.drivers.fleet.submit import submit_job
         from worker.runtime import Runtime
 
         try:

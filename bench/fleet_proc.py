@@ -3,7 +3,7 @@
 Each fleet gets its own broker key prefix on the local Redis and its own PostgreSQL schema
 (bench.results_db.scratch_schema), so it never sees anybody else's tasks or rows. `env` is also
 what this process must run under to submit jobs to that fleet: apply it before importing
-worker.drivers.celery_app (the Celery app reads the settings once, at import).
+worker.drivers.fleet.celery_app (the Celery app reads the settings once, at import).
 """
 
 from __future__ import annotations

@@ -130,7 +130,7 @@ def worker_child(pdf: Path, work: Path, model: Path) -> dict:
         from sqlalchemy import text
 
         from visbatch.settings import Settings
-        from worker.drivers.submit import submit_job
+        from worker.drivers.fleet.submit import submit_job
         from worker.runtime import Runtime
 
         try:

@@ -171,7 +171,7 @@ def _fleet(arm: str, quick: bool, work: Path, counters: dict[str, Any]) -> dict[
     from bench.media import report_pdf
     from storage import repository as repo
     from visbatch.settings import Settings
-    from worker.drivers.submit import submit_job
+    from worker.drivers.fleet.submit import submit_job
     from worker.runtime import Runtime
 
     fleet = BenchFleet(work, Path(os.environ["VISBATCH_MODEL"]), os.environ["VISBATCH_DATABASE_URL"])

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ingest.budget import PixelBounds, TokenGeometry
-from ingest.token_rules import TokenRule, UnsupportedModel
+from ingest.token_rule_base import TokenRule, UnsupportedModel
 
 # Tiles (besides the base view) each preset allows; None: the model's own grids.
 DETAIL_TILES: dict[str, int | None] = {"low": 1, "medium": 4, "high": None}

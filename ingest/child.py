@@ -16,27 +16,38 @@ of the next source (the reader also kills a child whose request it stops reading
 Detection runs here too: it hands the bytes to FFmpeg, which is as exposed as any decoder.
 With "processes" > 1 the pages of a PDF are rendered by that many processes forked from this
 one (ingest.spread), under the same memory cap each.
+
+Ctrl-C is not ours to act on: a terminal sends SIGINT to its whole process group, this child
+too, and it printed a `KeyboardInterrupt` traceback on every Ctrl-C of a run (issue 31). The
+child ignores it, as its page renderers do; its parent decides: a run's stop kills it, a fleet
+worker's warm shutdown lets the source in hand finish. A parent that is gone (a second Ctrl-C
+leaves at once) ends it too, quietly: its input ends, or its next reply meets a closed pipe.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import resource
-import sys
-from functools import cache, partial
-from pathlib import Path
-from typing import Any, TextIO
+import signal
 
-from ingest.detect import detect_kind
-from ingest.frames import frame_signature
-from ingest.limits import Limits
-from ingest.spec import IngestOptions
-from ingest.split import planned_units
-from ingest.spread import spread_units
-from ingest.stage import file_sha256, store_image
-from ingest.units import RenderedImage, SourceError, UnitFailure, UnitSelection
-from storage.object_store import ObjectStore, open_object_store
+if __name__ == "__main__":  # before the imports below: PyMuPDF and PyAV take most of a second
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+import json  # noqa: E402 - after the signal, see above
+import os  # noqa: E402
+import resource  # noqa: E402
+import sys  # noqa: E402
+from functools import cache, partial  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, TextIO  # noqa: E402
+
+from ingest.detect import detect_kind  # noqa: E402
+from ingest.frames import frame_signature  # noqa: E402
+from ingest.limits import Limits  # noqa: E402
+from ingest.spec import IngestOptions  # noqa: E402
+from ingest.split import planned_units  # noqa: E402
+from ingest.spread import spread_units  # noqa: E402
+from ingest.stage import file_sha256, store_image  # noqa: E402
+from ingest.units import RenderedImage, SourceError, UnitFailure, UnitSelection  # noqa: E402
+from storage.object_store import ObjectStore, open_object_store  # noqa: E402
 
 
 @cache
@@ -73,11 +84,32 @@ def _split(request: dict[str, Any], out: TextIO) -> None:
         reply({"done": True})
     except SourceError as exc:
         reply({"source_error": str(exc)})
+    except BrokenPipeError:
+        raise  # the parent is gone: not the source's fault (main ends us)
     except MemoryError:
         reply({"source_error": f"out of memory (over {limits.memory_bytes >> 20} MiB)"})
-    except Exception as exc:  # a parser bug on a hostile file: that source fails, the process goes on
-        reply({"source_error": f"{type(exc).__name__}: {exc}"})
+    except Exception as exc:
+        retry = _retryable(exc)
+        if retry is not None:  # a full disk, a store away: the parent's runner tries it again
+            reply({"retry": retry})
+        else:  # a parser bug on a hostile file: that source fails, the process goes on
+            reply({"source_error": f"{type(exc).__name__}: {exc}"})
     out.flush()
+
+
+def _retryable(exc: Exception) -> dict[str, Any] | None:
+    """A transient error (storage.errors: a full disk, the store away) as the parent raises it
+    again (ingest.isolation.retryable_error); None for a failure of the source itself."""
+    from storage.errors import is_transient
+
+    if not is_transient(exc):
+        return None
+    error = exc if isinstance(exc, OSError) else None
+    return {
+        "message": f"{type(exc).__name__}: {exc}",
+        "errno": error.errno if error is not None else None,
+        "filename": str(error.filename) if error is not None and error.filename else None,
+    }
 
 
 def _stored(
@@ -101,9 +133,14 @@ def main() -> None:
     # Replies get the real stdout; anything a library prints goes to stderr instead.
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
-    for line in sys.stdin:
-        if line.strip():
-            _split(json.loads(line), out)
+    try:
+        for line in sys.stdin:
+            if line.strip():
+                _split(json.loads(line), out)
+    except BrokenPipeError:
+        # The parent left without waiting for us. os._exit: a normal exit would flush `out` into
+        # the closed pipe again and print "Exception ignored ... BrokenPipeError".
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,23 @@ class InputSelection:
     excluded: list[Path] = field(default_factory=list)  # left out by --include / --exclude
     missing: list[Path] = field(default_factory=list)  # named on the command line, not there
 
+    def refusal(self, given: Sequence[Path]) -> tuple[str, str] | None:
+        """Why no job can start from these inputs, as (what, the fix), or None: a path that does
+        not exist, or not one file. The command line and the Python API say it in these words
+        (the one a UserError with exit 2, the other a visbatch.Error)."""
+        if self.missing:
+            names = ", ".join(str(p) for p in self.missing[:5])
+            return f"no such file or folder: {names}", "check the path (folders are walked)"
+        if not self.files:
+            shown = ", ".join(str(p) for p in given[:5])
+            left = len(self.skipped) + len(self.excluded)
+            detail = f"; {left} file(s) left out by the filters or as not documents" if left else ""
+            return (
+                f"no input files found in {shown}{detail}",
+                "give PDFs, videos or images, or folders holding them (--include GLOB picks other files)",
+            )
+        return None
+
     def describe_skipped(self, limit: int = 5) -> str | None:
         """One line about the walked files not taken, or None when there were none."""
         if not self.skipped:

@@ -24,11 +24,20 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from ingest.limits import Limits
 from ingest.spec import IngestOptions
 from ingest.units import SourceError, SourceKind, UnitFailure, UnitSelection
 from storage.errors import TransientFault
+
+
+def retryable_error(retry: dict[str, Any]) -> Exception:
+    """The child's transient error raised here again, as the retry policy knows it: an OSError
+    with its errno (a full or read-only disk: waited out) or a TransientFault (a store away)."""
+    if retry.get("errno") is not None:
+        return OSError(int(retry["errno"]), str(retry["message"]), retry.get("filename"))
+    return TransientFault(str(retry["message"]))
 
 
 @dataclass(frozen=True)
@@ -146,6 +155,9 @@ class IsolatedSplitter:
                     elif "source_error" in reply:
                         finished = True
                         raise SourceError(reply["source_error"])
+                    elif "retry" in reply:
+                        finished = True
+                        raise retryable_error(reply["retry"])
                     elif reply.get("done"):
                         finished = True
                         return

@@ -98,7 +98,9 @@ class Sampling(BaseModel):
     max_new_tokens: int = Field(256, ge=1, le=32_768)
     temperature: float = Field(0.0, ge=0.0, le=5.0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int = Field(0, description="Seed for sampling; results are reproducible per job.")
+    seed: int = Field(
+        0, ge=0, le=2**32 - 1, description="Seed for sampling; results are reproducible per job."
+    )
 
 
 class JobSpec(BaseModel):

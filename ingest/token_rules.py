@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import math
 import socket
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from ingest.anyres import AnyResRule
 from ingest.budget import PixelBounds, TokenGeometry
+from ingest.token_rule_base import TokenRule, UnsupportedModel
 
 # Model types whose image processor resizes with Qwen2-VL's smart_resize (patch x merge grid).
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
@@ -52,10 +53,6 @@ class ModelFilesUnavailable(FileNotFoundError):
     """The model's config files cannot be read (no such folder, or the hub is unreachable)."""
 
 
-class UnsupportedModel(ValueError):
-    """The model's family has no token rule (and no adapter) in visbatch."""
-
-
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Qwen2-VL's resize rule, as transformers implements it: both sides a multiple of `factor`,
     the area within [min_pixels, max_pixels], the aspect ratio kept as closely as possible.
@@ -78,21 +75,6 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
-
-
-class TokenRule(ABC):
-    """One model's token rule: how many visual tokens an image becomes, without weights."""
-
-    family: str
-
-    @property
-    @abstractmethod
-    def token_geometry(self) -> TokenGeometry:
-        """Pixels per visual token and the processor's own bounds (for budgets)."""
-
-    @abstractmethod
-    def count_visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
-        """Visual tokens of a `width` x `height` image resized within `bounds` (None: the model's)."""
 
 
 @dataclass(frozen=True)
@@ -384,8 +366,6 @@ def rule_from_files(config: dict[str, Any], processor: dict[str, Any]) -> TokenR
     if family in TILE_FAMILIES:
         return TileRule.from_files(family, data, config)
     if family in ANYRES_FAMILIES:
-        from ingest.anyres import AnyResRule  # it imports this module
-
         return AnyResRule.from_files(family, data, config)
     if family in DYNAMIC_TILE_FAMILIES:
         return DynamicTileRule.from_files(family, data, config)

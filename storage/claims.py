@@ -1,5 +1,5 @@
 """Drop-folder claims: one row per S3 object version, won by exactly one watcher
-(worker.drivers.dropfolder).
+(worker.drivers.dropfolder.watcher).
 """
 
 from __future__ import annotations

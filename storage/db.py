@@ -11,7 +11,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import URL, make_url
@@ -90,6 +90,30 @@ def _engine(url: str | URL, **kwargs: Any) -> Engine:
         raise DatabaseUrlError(_shown(url), str(exc).splitlines()[0]) from None
 
 
+class DatabaseNotReady(LookupError):
+    """No database a command that only reads can read at its URL: no such SQLite file, no
+    visbatch tables, or tables of an older migration. Nothing was created or migrated: reading
+    commands (`status`, `jobs`, `results` ...) never make the database they look for, so a typo or
+    another current folder is told, not answered with an empty one.
+
+    ``path``: the SQLite file that does not exist (None for the other cases); ``revision``: the
+    migration the database is at (None: no visbatch tables)."""
+
+    def __init__(self, url: str, reason: str, *, path: Path | None = None, revision: str | None = None):
+        super().__init__(f"{url}: {reason}")
+        self.url = url
+        self.reason = reason
+        self.path = path
+        self.revision = revision
+
+
+class Migrated(NamedTuple):
+    """What `ensure_schema` did: from the revision the database was at (None: empty) to the head."""
+
+    from_revision: str | None
+    to_revision: str
+
+
 class Database:
     """The engine of one database URL, and its transactions.
 
@@ -97,7 +121,9 @@ class Database:
     Core SQL (no ORM, whose import alone costs a read-only command a tenth of a second).
     """
 
-    def __init__(self, url: str, *, echo: bool = False) -> None:
+    def __init__(self, url: str, *, echo: bool = False, create: bool = True) -> None:
+        """``create=False``: a SQLite file that does not exist is DatabaseNotReady, and neither it
+        nor its folder is made (connecting would create an empty one)."""
         try:
             self.url: URL = make_url(url)
         except Exception as exc:  # ArgumentError, ValueError: not a URL at all
@@ -105,7 +131,10 @@ class Database:
         self.is_sqlite = self.url.get_backend_name() == "sqlite"
         engine_kwargs: dict[str, Any] = {"echo": echo}
         if self.is_sqlite:
-            self._make_sqlite_folder()
+            if create:
+                self._make_sqlite_folder()
+            else:
+                self._require_sqlite_file()
             engine_kwargs["connect_args"] = {"timeout": SQLITE_BUSY_TIMEOUT_S}
         else:
             # Fleet connections sit idle between tasks; a server restart must not break the next task.
@@ -124,11 +153,22 @@ class Database:
     def __repr__(self) -> str:
         return f"Database({self.masked_url!r})"
 
-    def _make_sqlite_folder(self) -> None:
+    @property
+    def sqlite_path(self) -> Path | None:
+        """The SQLite file (absolute), None for an in-memory or URI database or a server."""
         database = self.url.database
-        if not database or database == ":memory:" or database.startswith("file:"):
-            return
-        Path(database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+        if not self.is_sqlite or not database or database == ":memory:" or database.startswith("file:"):
+            return None
+        return Path(database).expanduser().resolve()
+
+    def _make_sqlite_folder(self) -> None:
+        if self.sqlite_path is not None:
+            self.sqlite_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def _require_sqlite_file(self) -> None:
+        path = self.sqlite_path
+        if path is not None and not path.exists():
+            raise DatabaseNotReady(self.masked_url, f"no such file: {path}", path=path)
 
     @contextmanager
     def session(self, *, readonly: bool = False) -> Iterator[Connection]:
@@ -155,16 +195,40 @@ class Database:
         except Exception:  # no alembic_version table yet
             return None
 
-    def ensure_schema(self) -> bool:
-        """Migrate to the newest revision unless the database is already there; True if it migrated.
+    def ensure_schema(self) -> Migrated | None:
+        """Migrate to the newest revision unless the database is already there: what it migrated,
+        None when nothing was to be done (one SELECT: no Alembic imported).
 
-        One SELECT when nothing is to be done: commands that only read (`status`, `jobs`) do not
-        pay for importing Alembic and walking the migration scripts.
+        For the commands that start work (`run`, `submit`, a worker): they create the database they
+        are pointed at. Commands that only read use `require_schema` instead.
         """
-        if self.current_revision() == head_revision():
-            return False
+        before = self.current_revision()
+        head = head_revision()
+        if before == head:
+            return None
         self.upgrade()
-        return True
+        return Migrated(before, head)
+
+    def require_schema(self) -> str:
+        """The revision the database is at; DatabaseNotReady (nothing changed) when it holds no
+        visbatch tables or an older migration than this visbatch reads. A database that cannot be
+        reached raises the driver's error (a server down is not "no tables")."""
+        from sqlalchemy import inspect
+
+        with self.engine.connect() as connection:
+            revision = None
+            if inspect(connection).has_table("alembic_version"):
+                revision = connection.execute(text("SELECT version_num FROM alembic_version")).scalar()
+        head = head_revision()
+        if revision is None:
+            raise DatabaseNotReady(self.masked_url, "holds no visbatch tables")
+        if revision < head:  # numbered 0001, 0002 ... (head_revision): a newer one reads as well
+            raise DatabaseNotReady(
+                self.masked_url,
+                f"is at migration {revision}, older than this visbatch's {head}",
+                revision=revision,
+            )
+        return revision
 
     def downgrade(self, revision: str) -> None:
         """Run Alembic migrations down to ``revision`` ("base" drops everything)."""
@@ -216,6 +280,15 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def open_existing(url: str) -> Database:
+    """The database at ``url`` as it is, for a command that only reads (or changes only what is
+    already there: `cancel`, `purge`): never created, never migrated. DatabaseNotReady names what
+    is missing; the command line adds where the URL came from (worker.errors)."""
+    db = Database(url, create=False)
+    db.require_schema()
+    return db
 
 
 def _install_sqlite_hooks(engine: Engine) -> None:

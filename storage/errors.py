@@ -8,6 +8,7 @@ backoff; the drop folder leaves an object for the next poll on them.
 
 from __future__ import annotations
 
+import errno
 from functools import cache
 
 
@@ -63,9 +64,30 @@ def transient_types() -> tuple[type[BaseException], ...]:
     )
 
 
+# A machine's own storage that is full or read-only (the page store, the cache folder, a work
+# folder): an operator frees space or remounts, and the work goes on where it was. Waited out,
+# however long it takes (worker.retry), never a source's or a unit's failure.
+_LOCAL_FAULTS = {errno.ENOSPC: "full", errno.EDQUOT: "over its quota", errno.EROFS: "read-only"}
+
+
+def local_fault(exc: BaseException) -> str | None:
+    """ "the disk is full (/data/store)" for a full or read-only filesystem; None otherwise."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _LOCAL_FAULTS:
+            where = f" ({exc.filename})" if exc.filename else ""
+            return f"the disk is {_LOCAL_FAULTS[exc.errno]}{where}"
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return None
+
+
 def is_transient(exc: BaseException) -> bool:
-    """True for an error that a later try may not meet (a service down, slow or throttling)."""
+    """True for an error that a later try may not meet (a service down, slow or throttling, a
+    full or read-only disk)."""
     if isinstance(exc, (TransientFault, *transient_types())):
+        return True
+    if local_fault(exc) is not None:
         return True
     import sqlalchemy.exc
 

@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import Connection, Select, case, false, func, literal, null, select, true, update
 
 from storage.db import Database
+from storage.leases import lease_view
 from storage.models import (
     FINISHED_JOB_STATUSES,
     JOBS,
@@ -25,6 +26,7 @@ from storage.models import (
 )
 from storage.sql import (
     MAX_ERRORS,
+    RESULT_COLUMNS,
     UNFINISHED_UNITS,
     JobNotFound,
     bump,
@@ -258,7 +260,7 @@ def job_summary(db: Database, job_id: str, *, max_errors: int = MAX_ERRORS) -> d
     with db.session(readonly=True) as session:
         full_id = resolve_in_session(session, job_id)
         job = session.execute(select(JOBS).where(JOBS.c.id == full_id)).one()
-        results_total, results_failed, prompt_tokens, completion_tokens, tokens = job_totals(session, job)
+        totals = job_totals(session, job)
         prompts = list((job.spec or {}).get("prompts") or [])
         errors, truncated = _collect_errors(session, full_id, max_errors, prompts)
         running = job.status == JobStatus.RUNNING
@@ -278,23 +280,29 @@ def job_summary(db: Database, job_id: str, *, max_errors: int = MAX_ERRORS) -> d
         "units_total": job.units_total,
         "units_failed": job.units_failed,
         "units_pending": job.units_pending,
-        "results": results_total - results_failed,
-        "results_failed": results_failed,
+        "results": totals.results - totals.failed,
+        "results_failed": totals.failed,
         "cache_hits": job.cache_hits,
         "cache_misses": job.cache_misses,
         "visual_tokens": job.visual_tokens,
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "tokens": tokens,
-        "timing": _timing(job),
-        # Last progress (any stage moving the job row), the fleet's last automatic resume, and
-        # for a running job: whether it runs on the fleet and the work left per stage.
+        "prompt_tokens": totals.prompt_tokens,
+        "completion_tokens": totals.completion_tokens,
+        "tokens": totals.tokens,
+        "timing": _timing(job, totals),
+        # Last progress (any stage moving the job row), the last resume (`visbatch resume` or the
+        # fleet's stall watch), and for a running job: whether it runs on the fleet and the work
+        # left per stage.
         "progress_at": iso(job.updated_at),
         "resumed_at": iso(job.resumed_at),
         "fleet": fleet,
         # The process that runs it in one process ("HOST:PID:START"; worker.drivers.job_activity tells
         # whether it is gone).
         "process": job.process,
+        "lease": lease_of(job),
+        # The cause of the last retry of its work, and when (worker.stages.runner); job_activity
+        # says `waiting: ...` while it is recent.
+        "waiting": job.waiting if job.status == JobStatus.RUNNING else None,
+        "waiting_at": iso(job.waiting_at),
         "outstanding": outstanding,
         "errors": errors,
         "errors_truncated": truncated,
@@ -309,49 +317,89 @@ def closed_report(job: Any) -> dict[str, Any] | None:
     return None
 
 
-def job_totals(session: Connection, job: Any) -> tuple[int, int, int, int, dict[str, Any]]:
-    """(results, of which failed, prompt tokens, completion tokens, token report) of a job row:
-    from the row itself once close_job has counted them, else counted from the rows."""
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """A job's results and text tokens, and its token report (job_totals)."""
+
+    results: int  # stored results, failed ones included
+    failed: int
+    prompt_tokens: int
+    completion_tokens: int
+    tokens: dict[str, Any]
+    written_since_resume: int  # results written since the last resume (all of them if none)
+
+
+def job_totals(session: Connection, job: Any) -> Totals:
+    """A job row's totals: from the row itself once close_job has counted them, else counted from
+    the rows (with the results written since its last resume: a running job's rate)."""
     report = closed_report(job)
     if report is not None:
-        return job.results_total, job.results_failed, job.prompt_tokens, job.completion_tokens, report
+        c = (job.results_total, job.results_failed, job.prompt_tokens, job.completion_tokens)
+        return Totals(*c, report, job.results_total)
     from storage.token_report import result_sums, token_report  # beside the tables it reads
 
-    sums = result_sums(session, job.id)  # one pass over the results for the totals and the report
-    return sums.total, sums.failed, sums.prompt, sums.completion, token_report(session, job.id, sums)
+    # One pass over the results for the totals and the report.
+    sums = result_sums(session, job.id, since=resumed_at(job))
+    report = token_report(session, job.id, sums)
+    return Totals(sums.total, sums.failed, sums.prompt, sums.completion, report, sums.written_since)
+
+
+def resumed_at(job: Any) -> datetime | None:
+    """When the job was last resumed (reopen_job, by `visbatch resume` or the fleet's stall watch),
+    None if never since it started: the start of the run now going on, or that ran last."""
+    resumed, started = job.resumed_at, job.started_at
+    return resumed if resumed is not None and (started is None or resumed > started) else None
 
 
 def _seconds_between(start: datetime | None, end: datetime | None) -> float | None:
     return None if start is None or end is None else max(0.0, (end - start).total_seconds())
 
 
-def _timing(job: Any) -> dict[str, Any]:
-    """Wall time, time to the first result, each stage's busy time and pages (units) per second;
-    for a running job, its rate so far and when it should end at that rate."""
-    wall = _seconds_between(job.started_at, job.finished_at or utcnow())
+def _timing(job: Any, totals: Totals) -> dict[str, Any]:
+    """Wall time, time to the first result, each stage's busy time (summed over the threads and
+    processes that worked on the job: it can exceed the wall time) and pages+frames answered per
+    second; for a running job, its rate in this run and when it should end at that rate.
+
+    Rates count answered pages+frames (a page's results over the job's prompts), not those only
+    split. A resumed job's rate is measured from the resume: the hours it sat stopped are no
+    work. Its rate over the whole wall time would count them, so it has none (the row keeps no
+    account of the time each earlier run took).
+    """
+    end = job.finished_at or utcnow()
+    wall = _seconds_between(job.started_at, end)
+    resumed = resumed_at(job)
+    this_run = _seconds_between(resumed, end) if resumed is not None else wall
+    prompts = max(1, len((job.spec or {}).get("prompts") or []))
     eta = rate = None
-    if job.status == JobStatus.RUNNING and wall:
-        finished = max(0, job.units_total - job.units_pending)  # pending counts source holds too
-        rate = finished / wall
-        eta = job.units_pending / rate if rate > 0 else None
+    if job.status == JobStatus.RUNNING and this_run:
+        rate = totals.written_since_resume / prompts / this_run
+        eta = job.units_pending / rate if rate > 0 else None  # pending counts source holds too
     return {
         "rate_units_per_second": rate,
         "eta_seconds": eta,
         "started_at": iso(job.started_at),
+        "resumed_at": iso(resumed),
         "first_result_at": iso(job.first_result_at),
         "wall_seconds": wall,
+        "since_resume_seconds": this_run if resumed is not None else None,
         "first_result_seconds": _seconds_between(job.started_at, job.first_result_at),
         "busy_seconds": {stage: float(getattr(job, f"{stage}_seconds") or 0.0) for stage in STAGES},
-        "units_per_second": (job.units_total / wall) if wall else None,
+        "answered_units_per_second": totals.results / prompts / wall if wall and resumed is None else None,
     }
 
 
 def list_jobs(db: Database, limit: int = 20) -> list[dict[str, Any]]:
     """The newest jobs first, with their counters; a running job run in one process also has its
-    process (and `fleet`: False), for `jobs` to tell one whose process is gone."""
+    process (and `fleet`: False), for `jobs` to tell one whose process is gone.
+
+    Results are counted as `status` counts them: from the job row once close_job has counted
+    them, else from the results (a running, cancelled or interrupted job's row holds no count of
+    them: only close_job writes one).
+    """
     stmt = select(JOBS).order_by(JOBS.c.created_at.desc(), JOBS.c.id).limit(limit)
     with db.session(readonly=True) as session:
         jobs = session.execute(stmt).all()
+        live = _result_counts(session, [job.id for job in jobs if closed_report(job) is None])
         fleet = {
             job.id: is_fleet_job(session, job.id)
             for job in jobs
@@ -368,35 +416,46 @@ def list_jobs(db: Database, limit: int = 20) -> list[dict[str, Any]]:
             "units_total": job.units_total,
             "units_failed": job.units_failed,
             "units_pending": job.units_pending,
-            "results_total": job.results_total,
-            "results_failed": job.results_failed,
+            "results_total": live[job.id][0] if job.id in live else job.results_total,
+            "results_failed": live[job.id][1] if job.id in live else job.results_failed,
             "process": job.process,
+            "lease": lease_of(job),
             "fleet": fleet.get(job.id),
         }
         for job in jobs
     ]
 
 
-def cancel_if_running(db: Database, job_id: str, error: str) -> bool:
-    """End a running job `cancelled` with `error` (a job that has just finished keeps its status);
-    True when it did."""
+def note_waiting(db: Database, job_id: str, reason: str) -> None:
+    """Note what the job's work waits for (a retry's cause); not progress: updated_at stays."""
     stmt = (
         update(JOBS)
         .where(JOBS.c.id == job_id, JOBS.c.status == JobStatus.RUNNING.value)
-        .values(status=JobStatus.CANCELLED.value, error=error, finished_at=now_param(), tokens=None)
-        .returning(JOBS.c.id)
+        .values(waiting=reason, waiting_at=now_param(), updated_at=JOBS.c.updated_at)
     )
     with db.session() as session:
-        return session.execute(stmt).first() is not None
+        session.execute(stmt)
 
 
-def record_process(db: Database, job_id: str, process: str) -> None:
-    """Record the process that runs the job now ("HOST:PID:START", worker.drivers.job_activity); it is not
-    progress, so updated_at stays as it was."""
-    with db.session() as session:
-        session.execute(
-            update(JOBS).where(JOBS.c.id == job_id).values(process=process, updated_at=JOBS.c.updated_at)
-        )
+def _result_counts(session: Connection, job_ids: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """{job: (results, of which failed)} counted from the rows, for the jobs without a count of
+    close_job's: two grouped queries (per chunk of IN_CHUNK jobs), each served by an index on
+    results.job_id (the failed ones by the partial index of failed answers)."""
+    counts = {job_id: (0, 0) for job_id in job_ids}
+    for chunk in chunks(sorted(counts)):
+        ids = RESULTS.c.job_id.in_(chunk)
+        stmt = select(RESULTS.c.job_id, func.count()).where(ids).group_by(RESULTS.c.job_id)
+        totals: dict[str, int] = {job_id: n for job_id, n in session.execute(stmt)}
+        failed_stmt = stmt.where(RESULTS.c.error.is_not(None))
+        failed: dict[str, int] = {job_id: n for job_id, n in session.execute(failed_stmt)}
+        for job_id in chunk:
+            counts[job_id] = (int(totals.get(job_id, 0)), int(failed.get(job_id, 0)))
+    return counts
+
+
+def lease_of(job: Any) -> dict[str, Any] | None:
+    """The lease of the run that holds (or held) the job (storage.leases)."""
+    return lease_view(job.lease_holder, job.lease_renewed_at, job.lease_expires_at)
 
 
 @dataclass(frozen=True, slots=True)
@@ -525,7 +584,9 @@ def reopen_job(db: Database, job_id: str) -> ReopenedJob:
     Kept: every stored unit (so no page is rendered again) and every good result. Retried:
     sources that never completed or failed, units that failed after ingest (they have an image),
     and the units whose answers failed (their failed answers are asked again). The countdown is
-    recounted from the rows. Raises ValueError for a job that succeeded.
+    recounted from the rows, and resumed_at stamped: this run's rate is measured from it (the
+    later of it and the stall watch's claim, which may be stamped at a sweep's own `now`).
+    Raises ValueError for a job that succeeded.
     """
     with db.session() as session:
         full_id = resolve_in_session(session, job_id)
@@ -558,10 +619,12 @@ def reopen_job(db: Database, job_id: str) -> ReopenedJob:
         ).all()
         tally = _tally(session, full_id)
         pending_sources = tally.sources.get(SourceStatus.PENDING, 0)
+        now = literal(utcnow(), UTCDateTime())
         session.execute(
             update(JOBS)
             .where(JOBS.c.id == full_id)
             .values(
+                resumed_at=case((JOBS.c.resumed_at > now, JOBS.c.resumed_at), else_=now),
                 status=JobStatus.RUNNING.value,
                 error=None,
                 finished_at=None,
@@ -584,7 +647,7 @@ def _unfinished(tally: _Tally) -> int:
     return sum(tally.units.get(status, 0) for status in UNFINISHED_UNITS)
 
 
-# --- stalled jobs (worker.drivers.stall_watch) ------------------------------------------------------------
+# --- stalled jobs (worker.drivers.fleet.stall_watch) ---------------------------------------------
 # A job's last progress is jobs.updated_at: every stage moves the job row as it works (counters,
 # busy seconds), and the stall watch's own stamp leaves it alone.
 
@@ -703,8 +766,6 @@ def preview_per_source(
     """The first good answers of each source (up to ``per_source``, for the first ``max_sources``
     sources by uri), per prompt: the end of `visbatch run` shows every source of a small job, not
     three frames of the first. ``{prompt_index: [record as storage.results.iter_results]}``."""
-    from storage.results import _RESULT_COLUMNS  # storage.results imports this module
-
     with db.session(readonly=True) as session:
         full_id = resolve_in_session(session, job_id)
         rank = (
@@ -714,7 +775,7 @@ def preview_per_source(
         )
         source_rank = func.dense_rank().over(partition_by=RESULTS.c.prompt_index, order_by=SOURCES.c.uri)
         ranked = (
-            select(*_RESULT_COLUMNS, rank, source_rank.label("source_rank"))
+            select(*RESULT_COLUMNS, rank, source_rank.label("source_rank"))
             .join_from(RESULTS, UNITS, RESULTS.c.unit_id == UNITS.c.id)
             .join(SOURCES, UNITS.c.source_id == SOURCES.c.id)
             .where(RESULTS.c.job_id == full_id, RESULTS.c.error.is_(None))

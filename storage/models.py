@@ -205,14 +205,25 @@ JOBS = Table(
     Column("started_at", UTCDateTime, nullable=True),
     Column("first_result_at", UTCDateTime, nullable=True),
     *map(_seconds, ("ingest_seconds", "encode_seconds", "generate_seconds")),
-    # When the fleet last resumed this job on its own, for want of progress (migration 0005,
-    # worker.drivers.stall_watch): not again within the stall threshold.
+    # When the job was last resumed (migration 0005): by the fleet on its own, for want of progress
+    # (worker.drivers.fleet.stall_watch: not again within the stall threshold), or by `visbatch resume`
+    # (storage.jobs.reopen_job): a running job's rate counts from here, not its hours stopped.
     Column("resumed_at", UTCDateTime, nullable=True),
     # The process that runs (or last ran) the job in one process (migration 0006): "HOST:PID:START",
     # START being the process's start time (so that a reused pid is not taken for it; empty where
     # it cannot be read). `status` and `jobs` say `interrupted` when that process is gone
     # (worker.drivers.job_activity); kept as history when the run ends. NULL for a fleet job.
     Column("process", Text, nullable=True),
+    # The run that holds the job now (migration 0008, storage.leases): a random token and when it
+    # last renewed its lease. A run whose lease has expired is gone, wherever it ran; NULL once
+    # the run let go (it ended) and for a fleet job.
+    Column("lease_holder", String(32), nullable=True),
+    Column("lease_renewed_at", UTCDateTime, nullable=True),
+    Column("lease_expires_at", UTCDateTime, nullable=True),
+    # What the job's work waits for (migration 0009, worker.stages.runner): the cause of its last
+    # retry (a full disk, S3 away) and when it was noted; `status` shows it while it is recent.
+    Column("waiting", Text, nullable=True),
+    Column("waiting_at", UTCDateTime, nullable=True),
     # The job's token report (storage.token_report) as close_job counted it when the job finished
     # (migration 0007); NULL while it runs or once reopened. `status` reads it instead of summing
     # the job's results again: 10 million of them take seconds to sum, this one row none.

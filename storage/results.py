@@ -13,7 +13,7 @@ from storage.db import Database
 from storage.jobs import finished_among_in
 from storage.models import JOBS, RESULTS, SOURCES, UNITS, utcnow
 from storage.rows import ResultRow
-from storage.sql import chunks, dialect_insert, now_param, resolve_in_session
+from storage.sql import RESULT_COLUMNS, chunks, dialect_insert, now_param, resolve_in_session
 from storage.units import finish_units_in
 
 # On a retry everything but identity and created_at is replaced.
@@ -139,30 +139,6 @@ def answered_prompts(db: Database, unit_ids: Sequence[int]) -> dict[int, set[int
     return answered
 
 
-_RESULT_COLUMNS = (
-    SOURCES.c.uri.label("source"),
-    SOURCES.c.kind.label("kind"),
-    UNITS.c.unit_index.label("unit"),
-    UNITS.c.timestamp.label("timestamp"),
-    UNITS.c.width.label("width"),
-    UNITS.c.height.label("height"),
-    RESULTS.c.prompt_index.label("prompt_index"),
-    RESULTS.c.output.label("output"),
-    RESULTS.c.text.label("text"),
-    RESULTS.c.error.label("error"),
-    RESULTS.c.prompt_tokens.label("prompt_tokens"),
-    RESULTS.c.visual_tokens.label("visual_tokens"),
-    RESULTS.c.completion_tokens.label("completion_tokens"),
-    RESULTS.c.finish_reason.label("finish_reason"),
-    RESULTS.c.model.label("model"),
-    RESULTS.c.engine.label("engine"),
-    RESULTS.c.cache_hit.label("cache_hit"),
-    RESULTS.c.latency_ms.label("latency_ms"),
-    RESULTS.c.pruned_tokens.label("pruned_tokens"),
-    RESULTS.c.merged_tokens.label("merged_tokens"),
-)
-
-
 # Sources per query of iter_results: small enough that each query starts streaming at once.
 SOURCES_PER_QUERY = 100
 
@@ -197,7 +173,7 @@ def _stream_results(db: Database, job_id: str, chunk_size: int) -> Iterator[dict
                 return
             after = batch[-1].uri
             stmt = (
-                select(*_RESULT_COLUMNS)
+                select(*RESULT_COLUMNS)
                 .join_from(RESULTS, UNITS, RESULTS.c.unit_id == UNITS.c.id)
                 .join(SOURCES, UNITS.c.source_id == SOURCES.c.id)
                 .where(UNITS.c.source_id.in_([row.id for row in batch]), RESULTS.c.job_id == job_id)
@@ -225,7 +201,7 @@ def preview_results(db: Database, job_id: str, per_prompt: int = 3) -> dict[int,
         preview: dict[int, list[dict[str, Any]]] = {}
         for index in indexes:
             stmt = (
-                select(*_RESULT_COLUMNS)
+                select(*RESULT_COLUMNS)
                 .join_from(RESULTS, UNITS, RESULTS.c.unit_id == UNITS.c.id)
                 .join(SOURCES, UNITS.c.source_id == SOURCES.c.id)
                 .where(

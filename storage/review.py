@@ -29,6 +29,7 @@ from storage.repository import resolve_job_id
 from storage.token_report import token_report
 
 VIEWS = ("all", "failed", "schema", "skipped")
+_ENCODED = (UnitStatus.ENCODED.value, UnitStatus.DONE.value)
 
 
 @dataclass(frozen=True)
@@ -182,8 +183,9 @@ def _source_stats(session: Connection, source_ids: Sequence[int]) -> dict[int, d
             _flag(u.status == UnitStatus.DONE.value).label("done"),
             _flag(u.status == UnitStatus.FAILED.value).label("failed"),
             _flag(u.status == UnitStatus.SKIPPED.value).label("skipped"),
+            # As the job's spent visual tokens count them (storage.token_report): encoded ones.
             func.coalesce(
-                func.sum(case((u.status != UnitStatus.SKIPPED.value, func.coalesce(u.visual_tokens, 0)))), 0
+                func.sum(case((u.status.in_(_ENCODED), func.coalesce(u.visual_tokens, 0)))), 0
             ).label("visual_tokens"),
             *(_flag(view_condition(view)).label(f"view_{view}") for view in VIEWS if view != "all"),
         )

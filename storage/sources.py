@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 
 from storage.db import Database
 from storage.models import SOURCES, UNITS, SourceKind, SourceStatus, UnitStatus, utcnow
@@ -117,6 +117,13 @@ def stored_unit_indexes(db: Database, source_id: int) -> set[int]:
     )
     with db.session(readonly=True) as session:
         return set(session.scalars(stmt))
+
+
+def count_sources(db: Database, job_id: str) -> int:
+    """How many sources the job has (a resumed run's progress counts those done before it)."""
+    stmt = select(func.count()).select_from(SOURCES).where(SOURCES.c.job_id == job_id)
+    with db.session(readonly=True) as session:
+        return int(session.scalar(stmt) or 0)
 
 
 def pending_sources(db: Database, job_id: str) -> list[SourceState]:

@@ -1,4 +1,5 @@
-"""The SQL every storage module shares: table handles, the dialect's INSERT, row locks, counters.
+"""The SQL every storage module shares: table handles, the dialect's INSERT, row locks, counters,
+the columns of a result record.
 
 The rules that keep the counters on ``jobs`` right when tasks are retried or delivered twice
 (storage.jobs, storage.sources, storage.units and storage.results all follow them):
@@ -29,6 +30,7 @@ from sqlalchemy import Connection, Row, Table, literal, select, update
 from storage.db import Database
 from storage.models import (
     JOBS,
+    RESULTS,
     SOURCES,
     UNITS,
     JobStatus,
@@ -44,6 +46,32 @@ IN_CHUNK = 1000
 
 # Units still to be worked on: they hold the job's countdown up.
 UNFINISHED_UNITS = (UnitStatus.PENDING.value, UnitStatus.ENCODED.value)
+
+# A result record as every reader selects it, from results joined to their units and sources
+# (storage.results' iter_results and previews, storage.jobs' preview per source).
+RESULT_COLUMNS = (
+    SOURCES.c.uri.label("source"),
+    SOURCES.c.kind.label("kind"),
+    UNITS.c.unit_index.label("unit"),
+    UNITS.c.timestamp.label("timestamp"),
+    UNITS.c.width.label("width"),
+    UNITS.c.height.label("height"),
+    RESULTS.c.prompt_index.label("prompt_index"),
+    RESULTS.c.output.label("output"),
+    RESULTS.c.text.label("text"),
+    RESULTS.c.error.label("error"),
+    RESULTS.c.prompt_tokens.label("prompt_tokens"),
+    RESULTS.c.visual_tokens.label("visual_tokens"),
+    RESULTS.c.completion_tokens.label("completion_tokens"),
+    RESULTS.c.finish_reason.label("finish_reason"),
+    RESULTS.c.model.label("model"),
+    RESULTS.c.engine.label("engine"),
+    RESULTS.c.cache_hit.label("cache_hit"),
+    RESULTS.c.latency_ms.label("latency_ms"),
+    RESULTS.c.pruned_tokens.label("pruned_tokens"),
+    RESULTS.c.merged_tokens.label("merged_tokens"),
+)
+
 _T = TypeVar("_T")
 
 

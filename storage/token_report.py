@@ -1,6 +1,8 @@
 """Tokens a job spent and saved, counted from its unit and result rows (two aggregate queries + one).
 
-spent:  visual      tokens of the job's pages and frames (each encoded once, asked every prompt)
+spent:  visual      tokens of the job's pages and frames encoded (each encoded once, asked every
+                    prompt); a page or frame stored but not encoded yet (a stopped job) is not
+                    spent: its planned tokens are `visual_not_encoded` (`units_not_encoded` of them)
         visual_to_lm  visual tokens the language model was given, over all requests (after merging
                       and pruning)
         prompt / completion   text tokens in and out, over all requests
@@ -18,13 +20,16 @@ the model's own bounds with every frame kept.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, case, false, func, select, true
 
 from storage.models import RESULTS, UNITS, UnitStatus
 
-_SPENDING = (UnitStatus.PENDING.value, UnitStatus.ENCODED.value, UnitStatus.DONE.value)
+# Through the vision tower (or served by the cache): a failed unit's tokens are not counted (it
+# may never have been encoded), a pending one's are only planned.
+_SPENDING = (UnitStatus.ENCODED.value, UnitStatus.DONE.value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,12 +43,15 @@ class ResultSums:
     merged: int
     prompt: int
     completion: int
+    written_since: int  # results written (or rewritten) since `since` (all of them without one)
 
 
-def result_sums(session: Connection, job_id: str) -> ResultSums:
+def result_sums(session: Connection, job_id: str, since: datetime | None = None) -> ResultSums:
     """One aggregate over the job's results (at 10 million rows each pass is seconds: status of a
-    running job makes one, not two; docs/scale.md)."""
+    running job makes one, not two; docs/scale.md). ``since``: also count the results written
+    since then (a resumed job's rate is this run's, not the first run's)."""
     r = RESULTS.c
+    written = func.count() if since is None else func.coalesce(func.sum(case((r.updated_at >= since, 1))), 0)
     stmt = select(
         func.count(),
         func.count(r.error),
@@ -52,6 +60,7 @@ def result_sums(session: Connection, job_id: str) -> ResultSums:
         func.coalesce(func.sum(r.merged_tokens), 0),
         func.coalesce(func.sum(r.prompt_tokens), 0),
         func.coalesce(func.sum(r.completion_tokens), 0),
+        written,
     ).where(r.job_id == job_id)
     return ResultSums(*(int(v) for v in session.execute(stmt).one()))
 
@@ -60,6 +69,7 @@ def token_report(session: Connection, job_id: str, sums: ResultSums | None = Non
     """The report; ``sums``: the job's result_sums when the caller has them already."""
     u = UNITS.c
     spending = u.status.in_(_SPENDING)
+    planned = u.status == UnitStatus.PENDING.value
     skipped = u.status == UnitStatus.SKIPPED.value
     visual = func.coalesce(u.visual_tokens, 0)
     full = func.coalesce(u.full_tokens, u.visual_tokens, 0)
@@ -71,10 +81,20 @@ def token_report(session: Connection, job_id: str, sums: ResultSums | None = Non
         func.coalesce(func.sum(case((u.cache_hit == true(), 1), else_=0)), 0),
         func.coalesce(func.sum(case((u.cache_hit == true(), visual), else_=0)), 0),
         func.coalesce(func.sum(case((u.cache_hit == false(), 1), else_=0)), 0),
+        func.coalesce(func.sum(case((planned, 1), else_=0)), 0),
+        func.coalesce(func.sum(case((planned, visual), else_=0)), 0),
     ).where(u.job_id == job_id)
-    spent_visual, saved_detail, n_skipped, saved_skipped, hits, hit_tokens, misses = (
-        int(v) for v in session.execute(units_stmt).one()
-    )
+    (
+        spent_visual,
+        saved_detail,
+        n_skipped,
+        saved_skipped,
+        hits,
+        hit_tokens,
+        misses,
+        n_planned,
+        planned_visual,
+    ) = (int(v) for v in session.execute(units_stmt).one())
     # Units that share an image (and bounds) with another unit of the job: identical pages or
     # frames, across sources or within one; all but the first of each are cache hits.
     encoded = (
@@ -106,4 +126,6 @@ def token_report(session: Connection, job_id: str, sums: ResultSums | None = Non
         "cache_hit_units": hits,
         "cache_miss_units": misses,
         "identical_images": int(with_key) - int(distinct),
+        "units_not_encoded": n_planned,
+        "visual_not_encoded": planned_visual,
     }

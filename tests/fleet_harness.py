@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -20,7 +21,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from storage.db import Database
-from worker.drivers.supervisor import die_with_parent
+from worker.drivers.fleet.supervisor import die_with_parent
 
 REDIS_URL = os.environ.get("VISBATCH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 VISBATCH = str(Path(sys.executable).with_name("visbatch"))
@@ -70,10 +71,13 @@ class Fleet:
     def set(self, **values: str) -> None:
         self.env.update({f"VISBATCH_{k.upper()}": v for k, v in values.items()})
 
-    def start_worker(self, queues: str, *extra: str) -> subprocess.Popen:
+    def start_worker(self, queues: str, *extra: str, wrap: Sequence[str] = ()) -> subprocess.Popen:
+        """`visbatch worker --queues QUEUES EXTRA...`, under `wrap` when given (a command that runs
+        its arguments, e.g. `unshare ...`: a worker in its own namespaces, as in a container)."""
         log = open(self.tmp / f"worker-{len(self.workers)}-{queues.replace(',', '-')}.log", "w")  # noqa: SIM115
+        options = extra or ("--no-metrics",)
         proc = subprocess.Popen(
-            [VISBATCH, "worker", "--queues", queues, "--loglevel", "INFO", *(extra or ("--no-metrics",))],
+            [*wrap, VISBATCH, "worker", "--queues", queues, "--loglevel", "INFO", *options],
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -187,7 +191,8 @@ class Fleet:
 
         with Connection(self.broker_url) as conn:
             channel = conn.channel()
-            for stage in ("ingest", "encode", "generate"):
+            # The stage queues, and the stream of the workers' heartbeats (worker.drivers.fleet.heartbeats).
+            for stage in ("ingest", "encode", "generate", "visbatch.workers"):
                 try:
                     channel.queue_delete(f"{self.prefix}{stage}")
                 except Exception:  # noqa: S112 - a queue never declared: nothing to delete

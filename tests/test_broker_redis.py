@@ -1,4 +1,4 @@
-"""worker/drivers/broker_redis.py: a Redis broker that restarts under a worker holding messages.
+"""worker/drivers/fleet/broker_redis.py: a Redis broker that restarts under a worker holding messages.
 
 When the broker connection breaks, Celery (Consumer.on_connection_error_after_connected) first
 `collect()`s the connection, which detaches its transport (`transport.client = None`), then
@@ -12,12 +12,16 @@ visbatch's, the message is back in its queue and nothing stays unacknowledged.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import redis
 from kombu import Connection, Consumer, Exchange, Queue
 
 from tests.faults import RedisServer
-from worker.drivers.broker_redis import TRANSPORT
+from worker.drivers.fleet.broker_redis import TRANSPORT
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.faults
 
@@ -50,12 +54,105 @@ def test_a_message_held_across_a_broker_restart_is_back_in_its_queue(tmp_path):
 
 
 def test_kombus_own_transport_still_crashes_there(tmp_path):
-    """The bug worker/drivers/broker_redis.py works around, as kombu has it today: when this fails,
+    """The bug worker/drivers/fleet/broker_redis.py works around, as kombu has it today: when this fails,
     kombu has fixed it and visbatch's transport can go."""
     server = RedisServer(tmp_path / "broker")
     try:
         connection = _hold_a_message_detached(server, "redis")
         with pytest.raises(AttributeError, match="hostname"):
             connection.default_channel.close()
+    finally:
+        server.stop()
+
+
+HOLDER = """
+import sys, time
+from kombu import Connection, Consumer, Exchange, Queue
+from worker.drivers.fleet.broker_redis import TRANSPORT
+queue = Queue("q", Exchange("q", type="direct"), routing_key="q")
+connection = Connection(sys.argv[1], transport=TRANSPORT, transport_options={"visibility_timeout": 3600})
+held = []
+Consumer(connection.default_channel, [queue], callbacks=[lambda body, message: held.append(body)]).consume()
+connection.drain_events(timeout=10)
+print("held", held, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_holders_message_is_back_in_seconds_not_at_the_visibility_timeout(tmp_path):
+    # Issue 32: a SIGKILLed worker's messages waited out the visibility timeout (100 s shipped,
+    # an hour here) while other workers idled. Its alive key lapses; a live consumer's sweep hands
+    # them back.
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from worker.drivers.fleet.broker_redis import ALIVE_S
+
+    server = RedisServer(tmp_path / "broker")
+    holder = None
+    try:
+        queue = Queue("q", Exchange("q", type="direct"), routing_key="q")
+        options = {"visibility_timeout": 3600, "unacked_restore_interval": 1}
+        with Connection(server.url, transport=TRANSPORT, transport_options=options) as producer:
+            producer.Producer().publish({"n": 7}, exchange=queue.exchange, routing_key="q", declare=[queue])
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, server.url],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            },
+        )
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "held [{'n': 7}]"
+        client = redis.Redis.from_url(server.url)
+        [owner] = client.hvals("unacked_owner")
+        assert client.exists(f"unacked_alive:{owner.decode()}")
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=10)
+        killed = time.monotonic()
+
+        got: list[dict] = []
+        with Connection(server.url, transport=TRANSPORT, transport_options=options) as live:
+            consumer = Consumer(
+                live.default_channel, [queue], callbacks=[lambda body, m: (got.append(body), m.ack())]
+            )
+            consumer.consume()
+            while not got and time.monotonic() - killed < ALIVE_S + 20:
+                with contextlib.suppress(TimeoutError):
+                    live.drain_events(timeout=1)
+        back_after = time.monotonic() - killed
+        assert got == [{"n": 7}], f"not back within {back_after:.0f} s"
+        assert back_after < ALIVE_S + 10  # not the visibility timeout (3,600 s here)
+        assert client.hlen("unacked") == 0 and client.hlen("unacked_owner") == 0
+        client.close()
+    finally:
+        if holder is not None and holder.poll() is None:
+            holder.kill()
+        server.stop()
+
+
+def test_a_live_holders_message_stays_with_it(tmp_path):
+    server = RedisServer(tmp_path / "broker")
+    try:
+        queue = Queue("q", Exchange("q", type="direct"), routing_key="q")
+        options = {"visibility_timeout": 3600}
+        with Connection(server.url, transport=TRANSPORT, transport_options=options) as connection:
+            connection.Producer().publish({"n": 1}, exchange=queue.exchange, routing_key="q", declare=[queue])
+            held = []
+            Consumer(
+                connection.default_channel, [queue], callbacks=[lambda body, m: held.append(body)]
+            ).consume()
+            connection.drain_events(timeout=5)
+            assert held == [{"n": 1}]
+            assert connection.default_channel.qos.restore_orphans() == 0  # its holder (us) is alive
+            client = redis.Redis.from_url(server.url)
+            assert client.llen("q") == 0 and client.hlen("unacked") == 1
+            client.close()
     finally:
         server.stop()

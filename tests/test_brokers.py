@@ -43,7 +43,7 @@ def test_shipped_redis_defaults_redeliver_within_five_minutes():
     assert settings.visibility_timeout + settings.unacked_restore_interval <= FIVE_MINUTES
     # ... and no task outlives it (Redis would hand a running task to a second worker).
     assert settings.task_time_limit < settings.visibility_timeout
-    from worker.drivers.celery_app import make_celery
+    from worker.drivers.fleet.celery_app import make_celery
 
     options = make_celery(settings).conf.broker_transport_options
     assert options["visibility_timeout"] == settings.visibility_timeout

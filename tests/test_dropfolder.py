@@ -15,8 +15,8 @@ from ingest.spec import JobSpec
 from storage.db import Database
 from storage.models import DROP_CLAIMS, ClaimStatus
 from storage.repository import add_source, claim_object, create_job, find_claim, job_summary, set_claim
-from worker.drivers.drop_guard import MARKER_NAME
-from worker.drivers.dropfolder import DropFolderWatcher
+from worker.drivers.dropfolder.guard import MARKER_NAME
+from worker.drivers.dropfolder.watcher import DropFolderWatcher
 
 DEFAULT = JobSpec(prompts=["What is this?"])
 
@@ -42,7 +42,7 @@ class Submitter:
 
 
 def _keys(client: Any, bucket: str, prefix: str = "") -> list[str]:
-    """Keys under ``prefix``, without the watchers' folder markers (``worker.drivers.drop_guard``)."""
+    """Keys under ``prefix``, without the watchers' folder markers (``worker.drivers.dropfolder.guard``)."""
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
     keys = (item["Key"] for page in pages for item in page.get("Contents", []))
     return sorted(key for key in keys if not key.endswith(MARKER_NAME))
@@ -66,7 +66,7 @@ def pg(postgres_db: Database) -> Database:
 def test_concurrent_watchers_make_exactly_one_job_per_object(
     s3_client: Any, s3_bucket: str, pg: Database, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="worker.drivers.dropfolder")
+    caplog.set_level(logging.WARNING, logger="worker.drivers.dropfolder.watcher")
     for n in range(20):
         s3_client.put_object(Bucket=s3_bucket, Key=f"inbox/batch/doc-{n:02d}.pdf", Body=f"doc {n}".encode())
     s3_client.put_object(Bucket=s3_bucket, Key="inbox/batch/", Body=b"")  # a console's folder marker
@@ -278,7 +278,7 @@ def test_unusable_spec_says_why_beside_it_and_its_objects_wait(
     logged "unusable spec file (1 validation error for JobSpec)" and nothing else."""
     from ingest.spec import SpecError, spec_from_fields
 
-    caplog.set_level(logging.INFO, logger="worker.drivers.dropfolder")
+    caplog.set_level(logging.INFO, logger="worker.drivers.dropfolder.watcher")
     fields = BAD_SPECS[case]
     with pytest.raises(SpecError) as expected:  # the Python door, for the message to compare
         spec_from_fields(fields)
@@ -360,7 +360,7 @@ def test_redrop_after_a_spec_change_says_why_no_job(
 ) -> None:
     """Before: the re-dropped object was deleted with nothing said at the default level (the
     `watch` command's level is tested with a real process in test_dropfolder_faults.py)."""
-    caplog.set_level(logging.INFO, logger="worker.drivers.dropfolder")
+    caplog.set_level(logging.INFO, logger="worker.drivers.dropfolder.watcher")
     put = lambda key, body: s3_client.put_object(Bucket=s3_bucket, Key=key, Body=body)  # noqa: E731
     put("inbox/_spec.json", json.dumps({"prompts": ["First?"]}))
     put("inbox/a.pdf", b"same bytes")
@@ -411,7 +411,7 @@ def test_long_key_moves_to_a_key_that_fits_and_its_job_can_read_it(
 def test_long_key_failure_is_reported_with_a_shortened_name(
     s3_client: Any, s3_bucket: str, pg: Database, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="worker.drivers.dropfolder")
+    caplog.set_level(logging.INFO, logger="worker.drivers.dropfolder.watcher")
     long_key = "inbox/deep/" + "n" * 1000 + ".pdf"
     s3_client.put_object(Bucket=s3_bucket, Key=long_key, Body=b"b")
     submit = Submitter(pg, fail_on=lambda uri: True)
@@ -436,7 +436,7 @@ def test_control_characters_in_a_name_never_reach_a_job_or_a_log(
 ) -> None:
     from storage.object_store import split_s3_uri
 
-    caplog.set_level(logging.INFO, logger="worker.drivers.dropfolder")
+    caplog.set_level(logging.INFO, logger="worker.drivers.dropfolder.watcher")
     key = "inbox/scan\rINFO forged log line\x07.pdf"  # moto refuses a newline; S3 takes both
     s3_client.put_object(Bucket=s3_bucket, Key=key, Body=b"c")
     submit = Submitter(pg)
@@ -456,7 +456,7 @@ def test_refuses_an_inbox_holding_the_store_or_the_cache(
     """Before: `watch s3://bucket/` with the store at s3://bucket/store moved the store's images and
     cached tokens to done/ and made a job of each."""
     from visbatch.settings import Settings
-    from worker.drivers.drop_guard import WatcherRefused
+    from worker.drivers.dropfolder.guard import WatcherRefused
 
     s3_client.put_object(Bucket=s3_bucket, Key="store/images/ab/cd.png", Body=b"png")
     s3_client.put_object(Bucket=s3_bucket, Key="cache/tokens/ab.safetensors", Body=b"t")
@@ -480,7 +480,7 @@ def test_refuses_an_inbox_holding_the_store_or_the_cache(
 def test_refuses_an_inbox_holding_another_watchers_folders(
     s3_client: Any, s3_bucket: str, pg: Database
 ) -> None:
-    from worker.drivers.drop_guard import WatcherRefused
+    from worker.drivers.dropfolder.guard import WatcherRefused
 
     put = lambda key, body: s3_client.put_object(Bucket=s3_bucket, Key=key, Body=body)  # noqa: E731
     first = DropFolderWatcher(
@@ -506,7 +506,7 @@ def test_refuses_an_inbox_holding_another_watchers_folders(
 
 def test_refuses_a_moved_folder_without_markers(s3_client: Any, s3_bucket: str, pg: Database) -> None:
     """Done folders from watchers older than the markers are recognised by their claim rows."""
-    from worker.drivers.drop_guard import MARKER_NAME, WatcherRefused
+    from worker.drivers.dropfolder.guard import MARKER_NAME, WatcherRefused
 
     old = DropFolderWatcher(s3_client, pg, f"s3://{s3_bucket}/inbox/", Submitter(pg), DEFAULT)
     s3_client.put_object(Bucket=s3_bucket, Key="inbox/a.pdf", Body=b"a")
@@ -522,9 +522,9 @@ def test_refuses_a_moved_folder_without_markers(s3_client: Any, s3_bucket: str, 
 def test_a_folder_marked_after_start_is_left_alone(
     s3_client: Any, s3_bucket: str, pg: Database, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from worker.drivers.drop_guard import MARKER_NAME
+    from worker.drivers.dropfolder.guard import MARKER_NAME
 
-    caplog.set_level(logging.WARNING, logger="worker.drivers.dropfolder")
+    caplog.set_level(logging.WARNING, logger="worker.drivers.dropfolder.watcher")
     submit = Submitter(pg)
     watcher = _watcher(s3_client, pg, s3_bucket, submit)
     assert watcher.poll_once() == []
@@ -548,8 +548,8 @@ def test_a_folder_marked_after_start_is_left_alone(
     ],
 )
 def test_moved_and_note_keys_always_fit(relative: str) -> None:
-    from worker.drivers.drop_keys import MAX_KEY_BYTES, display_key, error_key, fits, moved_key
-    from worker.drivers.dropfolder import MAX_FOLDER_BYTES
+    from worker.drivers.dropfolder.keys import MAX_KEY_BYTES, display_key, error_key, fits, moved_key
+    from worker.drivers.dropfolder.watcher import MAX_FOLDER_BYTES
 
     prefix = "d" * (MAX_FOLDER_BYTES - 1) + "/"  # the longest done prefix a watcher accepts
     for folder in ("done/", prefix):

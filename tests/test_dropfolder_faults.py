@@ -4,8 +4,8 @@
   move never turns an object into a failure or a second job, and what cannot be moved is said with
   a shortened name. The watcher's client there retries nothing (botocore's own retries would only
   make the outage longer to wait out; the watcher's behaviour after them is what is tested).
-* A real ``visbatch watch`` process (the whole path: ``worker.drivers.submit.submit_job`` creating jobs in
-  PostgreSQL and queueing their ingest tasks on Redis), whose log is read.
+* A real ``visbatch watch`` process (the whole path: ``worker.drivers.fleet.submit.submit_job``
+  creating jobs in PostgreSQL and queueing their ingest tasks on Redis), whose log is read.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from storage.db import Database
 from storage.models import DROP_CLAIMS, JOBS, ClaimStatus
 from tests.faults import TCPProxy
 from tests.test_dropfolder import Submitter
-from worker.drivers.drop_guard import MARKER_NAME
-from worker.drivers.dropfolder import DropFolderWatcher
+from worker.drivers.dropfolder.guard import MARKER_NAME
+from worker.drivers.dropfolder.watcher import DropFolderWatcher
 
 # Budget: S3 outages waited out and a real `watch` process; to be tightened (issue 20).
 pytestmark = [pytest.mark.faults, pytest.mark.budget(150, reason="S3 outages waited out, a watch process")]
@@ -113,7 +113,7 @@ def test_s3_cut_during_the_copy_gives_the_claim_back(
 ) -> None:
     """Before: the claim was marked failed ("could not copy"), and once S3 was back the object went
     to failed/ with no job: a 1-second outage lost the document."""
-    caplog.set_level(logging.INFO, logger="worker.drivers.dropfolder")
+    caplog.set_level(logging.INFO, logger="worker.drivers.dropfolder.watcher")
     s3_client.put_object(Bucket=s3_bucket, Key="inbox/a.pdf", Body=b"a")
     submit = Submitter(pg)
     client = CutOn(_client_via(proxy), proxy, "copy")
@@ -186,7 +186,7 @@ def test_an_object_that_cannot_be_moved_is_reported_with_a_short_name(
 ) -> None:
     """Submit fails for good and S3 goes away at that moment, so the object cannot be moved to
     failed/. Before: the log repeated the whole 1 KiB key, on every poll."""
-    caplog.set_level(logging.INFO, logger="worker.drivers.dropfolder")
+    caplog.set_level(logging.INFO, logger="worker.drivers.dropfolder.watcher")
     long_key = "inbox/" + "q" * 1000 + ".pdf"
     s3_client.put_object(Bucket=s3_bucket, Key=long_key, Body=b"q")
 

@@ -69,7 +69,7 @@ def fleet(tmp_path, tiny_model_dir, postgres_url):
 
 
 def _retried(fleet: Fleet) -> bool:
-    """A worker has logged a retry after a transient error: a task's (worker.drivers.tasks.retrying,
+    """A worker has logged a retry after a transient error: a task's (worker.drivers.fleet.tasks.retrying,
     "...; retry 1") or a call's within it (worker.retry.RetryPolicy, "...; retrying in 1.3 s (1/8)")."""
     retry = r"; (retry \d+|retrying in [\d.]+ s \(\d+/\d+\))$"
     return bool(re.search(retry, fleet.logs(tail=10**7), re.MULTILINE))

@@ -125,7 +125,12 @@ def test_2_a_hub_model_offline_fails_in_seconds_with_the_fix(tmp_path, offline, 
     done = visbatch(env, "run", str(pdf), "-p", "Hi", "--model", "Qwen/Qwen2-VL-2B-Instruct")
     assert done.rc == 4, done.err
     assert done.seconds < 30  # the hub client alone retries for ~25 s; the probe answers at once
-    lines = _error_lines(done.err)
+    created, *lines = _error_lines(done.err)  # a first run says where it made the database
+    home = tmp_path / "home"
+    assert created == (
+        f"created the database {home / 'visbatch.db'} "
+        f"(under VISBATCH_HOME={home}; VISBATCH_DATABASE_URL unset)"
+    )
     assert lines[0].startswith("model: Qwen/Qwen2-VL-2B-Instruct (from --model)")
     assert lines[1].startswith("error: model 'Qwen/Qwen2-VL-2B-Instruct' is not on this machine")
     assert lines[2].startswith("fix: ") and "visbatch model use" in lines[2] and "model tiny" in lines[2]
@@ -138,7 +143,7 @@ def test_3_the_run_ends_with_first_answers_and_the_results_command(first_run):
     err = first_run.err
     assert "first answers:" in err
     assert f'"{Q1}"' in err and f'"{Q2}"' in err
-    assert "invoice.pdf page 1:" in err and "clip.mp4 frame at 0:00.0:" in err
+    assert "invoice.pdf page 1:" in err and "clip.mp4 frame at 0:00.000:" in err
     assert f"all answers: visbatch results {job}" in err
     # What this run did agrees with the job's summary (a fresh job: everything was done here).
     [(split, tower, answers)] = re.findall(
@@ -178,8 +183,8 @@ def test_4_include_and_exclude_choose_the_files(tmp_path):
 
 
 # 5 ---------------------------------------------------------------------------------------------
-def _wait_for_a_page(home: Path, job: str, proc: subprocess.Popen) -> None:
-    """Until the run has stored a page of `job` in its database (the home's SQLite)."""
+def _wait_for_a_page(home: Path, job: str, proc: subprocess.Popen, pages: int = 1) -> None:
+    """Until the run has stored `pages` page(s) of `job` in its database (the home's SQLite)."""
     from sqlalchemy import text
 
     from storage.db import Database
@@ -191,7 +196,7 @@ def _wait_for_a_page(home: Path, job: str, proc: subprocess.Popen) -> None:
         while True:
             with db.engine.connect() as conn:
                 sql = text("SELECT count(*) FROM units WHERE job_id = :id")
-                if conn.execute(sql, {"id": job}).scalar_one() > 0:
+                if conn.execute(sql, {"id": job}).scalar_one() >= pages:
                     return
             assert proc.poll() is None and time.monotonic() < deadline, "no page stored"
             time.sleep(0.05)
@@ -199,25 +204,41 @@ def _wait_for_a_page(home: Path, job: str, proc: subprocess.Popen) -> None:
         db.dispose()
 
 
+def _a_terminals_process_group() -> None:
+    """In the child before exec: its own process group, as a terminal's foreground job, with SIGINT
+    as a terminal delivers it whatever this test process inherited (an ignored or blocked SIGINT
+    passes through exec, and would hide what the run's own children do with a Ctrl-C)."""
+    os.setpgid(0, 0)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.signals
 def test_5_ctrl_c_says_the_job_and_the_status_table_says_why(home, tmp_path):
     pdf = write_slow_pdf(tmp_path / "slow.pdf", pages=30)
-    env = _env(home, VISBATCH_MAX_BATCH_SIZE="1")
+    # Split at once by the other ingest thread, whose child then waits for its next source: where
+    # a Ctrl-C found it (a child busy in MuPDF's C code is killed by the stop before it sees one).
+    small = write_pdf(tmp_path / "small.pdf", pages=1)
+    env = _env(home, VISBATCH_MAX_BATCH_SIZE="1", VISBATCH_INGEST_WORKERS="2")
     proc = subprocess.Popen(
-        [VISBATCH, "run", str(pdf), "-p", "Hi", "--max-new-tokens", "4", "--longest-side", "448"],
+        [VISBATCH, "run", str(small), str(pdf), "-p", "Hi", "--max-new-tokens", "4", "--longest-side", "448"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_a_terminals_process_group,  # noqa: PLW1509
     )
     assert proc.stdout is not None
     job = proc.stdout.readline().strip()  # before any work starts
     assert re.fullmatch(r"[0-9a-f]{32}", job)
-    _wait_for_a_page(home, job, proc)  # work under way: an event, not a fixed sleep (issue 20)
-    proc.send_signal(signal.SIGINT)
+    _wait_for_a_page(home, job, proc, pages=2)  # work under way: an event, not a fixed sleep (issue 20)
+    # As Ctrl-C in a terminal: to the whole process group, the run's splitting child too (issue
+    # 31: its KeyboardInterrupt traceback came before the stopping line, and looked like a crash).
+    os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert f"stopped: job {job} cancelled (interrupted by SIGINT (Ctrl-C))" in err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert f"Resume with: visbatch resume {job}" in err  # on one line, even at 80 columns
     table = visbatch(env, "status", job)
     assert re.search(r"reason\s+interrupted by SIGINT \(Ctrl-C\); finished work is kept", table.out), (
@@ -394,8 +415,10 @@ def test_14_an_unreachable_broker_and_store_are_two_lines(tmp_path, closed_port,
     base = {"VISBATCH_MODEL": str(tiny_model_dir)}
     broker = _env(tmp_path / "a", VISBATCH_BROKER_URL=f"redis://127.0.0.1:{closed_port}/0", **base)
     done = visbatch(broker, "submit", str(pdf), "-p", "Hi")
-    assert done.rc == 4 and _error_lines(done.err)[0].startswith("error: cannot reach the broker redis://")
-    assert len(_error_lines(done.err)) == 2, done.err
+    created, *lines = _error_lines(done.err)  # a first submit says where it made the database
+    assert created.startswith(f"created the database {tmp_path / 'a' / 'visbatch.db'} "), done.err
+    assert done.rc == 4 and lines[0].startswith("error: cannot reach the broker redis://")
+    assert len(lines) == 2, done.err
     store = _env(
         tmp_path / "b",
         VISBATCH_STORE_URL="s3://bucket/store",
@@ -405,8 +428,10 @@ def test_14_an_unreachable_broker_and_store_are_two_lines(tmp_path, closed_port,
         **base,
     )
     done = visbatch(store, "submit", str(pdf), "-p", "Hi")
-    assert done.rc == 4 and _error_lines(done.err)[0].startswith("error: cannot use the object store")
-    assert len(_error_lines(done.err)) == 2 and "VISBATCH_S3_ENDPOINT_URL" in done.err
+    created, *lines = _error_lines(done.err)  # the database first, then the broker, then the store
+    assert created.startswith(f"created the database {tmp_path / 'b' / 'visbatch.db'} "), done.err
+    assert done.rc == 4 and lines[0].startswith("error: cannot use the object store")
+    assert len(lines) == 2 and "VISBATCH_S3_ENDPOINT_URL" in done.err
 
 
 @pytest.mark.parametrize(
@@ -451,7 +476,7 @@ def test_14_an_unexpected_error_is_one_line_and_exit_5(tmp_path, monkeypatch):
         raise RuntimeError("a bug\nwith two lines")
 
     monkeypatch.setenv("VISBATCH_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(cli, "make_runtime", boom)
+    monkeypatch.setattr(cli, "stored_database", boom)
     done = CliRunner().invoke(cli.app, ["jobs"])
     assert done.exit_code == 5
     assert done.output.splitlines() == [

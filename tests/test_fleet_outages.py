@@ -39,7 +39,7 @@ pytestmark = [
     pytest.mark.fleet,
     pytest.mark.faults,
     pytest.mark.postgres,
-    # Measured on a busy 2-core machine before worker/drivers/broker_redis.py: Redis fleet 7.4 min (each
+    # Measured on a busy 2-core machine before worker/drivers/fleet/broker_redis.py: Redis fleet 7.4 min (each
     # Redis broker restart cost ~100 s: the worker holding messages crashed in kombu's restore and
     # they came back only after the visibility timeout), RabbitMQ fleet 2.5 min. Now a job is done
     # 8-24 s after a Redis broker restart (the two broker tests: 2.5 min with the fleet's start).
@@ -253,7 +253,7 @@ def _check_job(
     missing = {d.name: d.pages - len(seen[d.name]) for d in docs if len(seen[d.name]) != d.pages}
     assert not missing, f"job {job}: pages missing: {missing}"
     # No worker process died of the fault (the supervisor would restart it, and a Redis broker
-    # then holds its messages for the visibility timeout): worker/drivers/broker_redis.py.
+    # then holds its messages for the visibility timeout): worker/drivers/fleet/broker_redis.py.
     crashed = [
         log.name
         for log in fleet.tmp.glob("worker-*.log")

@@ -128,7 +128,7 @@ def test_plan_command_fleet(tiny_model_dir, tmp_path) -> None:
     args = _plan_args(tiny_model_dir, tmp_path)
     done = CliRunner().invoke(app, [*args, "--json", "--deadline", "1s", "--throughput", "1pages/s"])
     assert done.exit_code == 0, done.output
-    fleet = json.loads(done.output)["fleet"]
+    fleet = json.loads(done.stdout)["fleet"]  # stderr: the model line
     assert fleet["pages"] == 3 and fleet["pages_per_gpu_s"] == 1.0
     assert fleet["gpus"] == 3 and fleet["throughput_source"] == "--throughput"
     assert fleet["cold_bytes"] > 0 and fleet["hot_bytes"] == math.ceil(

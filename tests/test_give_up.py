@@ -6,10 +6,13 @@ functions: an unexpected error in the splitting step, a result write the databas
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from ingest.spec import JobSpec, Sampling
 from storage import repository as repo
+from storage.models import UnitStatus
 from tests.media import write_pdf
 from worker.drivers import embedded
 from worker.drivers.embedded import run_job
@@ -68,3 +71,83 @@ def test_results_the_database_refuses_fail_their_units_and_the_job_goes_on(
     assert summary["results"] + len(failed) == 3
     assert summary["status"] in ("partial", "failed") and summary["units_failed"] == len(failed)
     assert "resume" not in (summary.get("error") or "")  # the job ended; the run did not fail
+
+
+class _Answered:
+    """The progress a resumed run reports, last state per stage (what the CLI's bars show)."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, tuple[int, int | None]] = {}
+
+    @property
+    def generate(self) -> tuple[int, int | None] | None:
+        return self.last.get("generate")
+
+    def update(self, stage: str, done: int, total: int | None = None) -> None:
+        self.last[stage] = (done, total)
+
+    def note(self, message: str) -> None:
+        pass
+
+
+def _stopped_with_encoded_units(rt: Runtime, folder, monkeypatch) -> str:
+    """A job whose first run stopped (as on a Ctrl-C) when its first answers were being written:
+    its pages are encoded, none answered."""
+    run = embedded.EmbeddedRun(rt)
+    real = repo.store_results
+
+    def stop_at_first_write(db, rows, units):
+        run.request_stop("interrupted by SIGINT (Ctrl-C)")
+        # Transient: retried with backoff, which the stop must cut short (it waited out minutes
+        # of backoff before the generate loop's retries heard the stop).
+        raise ConnectionError("the database went away")
+
+    monkeypatch.setattr(repo, "store_results", stop_at_first_write)
+    started = time.monotonic()
+    job_id = run.run([folder], SPEC)
+    assert time.monotonic() - started < 60
+    monkeypatch.setattr(repo, "store_results", real)
+    assert repo.job_state(rt.db, job_id)[0] == "cancelled"
+    assert repo.units_in_state(rt.db, job_id, UnitStatus.ENCODED), "no unit left encoded"
+    return job_id
+
+
+def test_resume_answers_the_units_a_stopped_run_had_encoded(settings_factory, tmp_path, monkeypatch, caplog):
+    # Issue 31: their done-callback lacked the unit ids (a TypeError logged by concurrent.futures),
+    # so the progress stopped short of the answers stored.
+    folder = tmp_path / "in"
+    folder.mkdir()
+    write_pdf(folder / "doc.pdf", pages=3)
+    rt = Runtime(settings_factory())
+    job_id = _stopped_with_encoded_units(rt, folder, monkeypatch)
+
+    progress = _Answered()
+    embedded.EmbeddedRun(Runtime(settings_factory()), progress).resume(job_id)
+    summary = repo.job_summary(rt.db, job_id)
+    assert summary["status"] == "succeeded" and summary["results"] == 3, summary
+    assert progress.generate == (3, 3)
+    # Issue 31: `sources 0/0` (only the sources left were counted) and `pages+frames 3/?`.
+    assert progress.last["sources"] == (1, 1) and progress.last["units"] == (3, 3), progress.last
+    assert "exception calling callback" not in caplog.text
+
+
+def test_resumed_encoded_units_whose_generation_fails_are_failed_with_the_cause(
+    settings_factory, tmp_path, monkeypatch
+):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    write_pdf(folder / "doc.pdf", pages=3)
+    rt = Runtime(settings_factory())
+    job_id = _stopped_with_encoded_units(rt, folder, monkeypatch)
+    encoded = len(repo.units_in_state(rt.db, job_id, UnitStatus.ENCODED))
+
+    def refuse(db, rows, units):
+        raise ValueError("value too long for the column")  # permanent: not retried
+
+    monkeypatch.setattr(repo, "store_results", refuse)
+    embedded.EmbeddedRun(Runtime(settings_factory())).resume(job_id)
+    summary = repo.job_summary(rt.db, job_id)
+    failed = [e["message"] for e in summary["errors"]]
+    assert summary["units_failed"] == 3 >= encoded, summary  # none left waiting forever
+    assert set(failed) == {"generate failed: ValueError: value too long for the column"}
+    assert summary["status"] == "failed" and summary["units_pending"] == 0, summary

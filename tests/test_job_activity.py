@@ -19,7 +19,7 @@ from storage.models import utcnow
 from tests.media import write_pdf
 from visbatch.settings import Settings
 from worker.cli.output import print_summary
-from worker.drivers.consumers import announce, stages_without_consumer, withdraw
+from worker.drivers.fleet.consumers import announce, stages_without_consumer, withdraw
 from worker.drivers.job_activity import job_activity
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,3 +131,22 @@ def test_rabbitmq_tells_its_consumers(rabbitmq_url):
         queue = Queue(f"{settings.broker_prefix}encode", auto_delete=True)
         with Consumer(conn.channel(), [queue], callbacks=[lambda body, message: None]):
             assert stages_without_consumer(settings, ["ingest", "encode"]) == ["ingest"]
+
+
+def test_a_quiet_fleet_job_says_what_it_waits_for_from_the_first_seconds(db):
+    # Issue 32: for the two minutes before the stall watch, status gave no reason at all.
+    job_id = _running_fleet_job(db)
+    summary = jobs.job_summary(db, job_id)
+    served = {"ingest": 1, "encode": 1, "generate": 1}
+    soon = utcnow() + timedelta(seconds=5)
+    assert job_activity(SETTINGS, summary, now=soon, consumers=served, messages={"ingest": 0}) is None
+    later = utcnow() + timedelta(seconds=35)
+    queued = job_activity(SETTINGS, summary, now=later, consumers=served, messages={"ingest": 3})
+    assert queued is not None and queued["state"] == "quiet"
+    assert "messages wait in its queues (3 in ingest): the workers are busy or starting" in queued["message"]
+    lost = job_activity(SETTINGS, summary, now=later, consumers=served, messages={"ingest": 0})
+    assert lost is not None and lost["state"] == "quiet"
+    assert lost["message"].startswith("no progress for 3")
+    assert "no message of it waits in a queue" in lost["message"]
+    assert "the stall watch resumes it at 2m00s" in lost["message"]
+    assert "time left" not in _shown({**summary, "activity": lost})  # no ETA it would not keep

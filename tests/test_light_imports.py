@@ -18,13 +18,33 @@ from tests.media import write_pdf
 HEAVY = ("torch", "transformers")
 # What a command that only reads the database (`status`, `jobs`, `results`) has no use
 # for: the ORM, the job spec's pydantic models (and the commands they declare), pydantic-settings,
-# and, on SQLite, the PostgreSQL dialect (which pulls in asyncio).
+# and, on SQLite, the PostgreSQL dialect and its driver; Alembic and the migration scripts (a
+# reading command never migrates: one SELECT of the revision); the Runtime and the repository
+# facade (the modules of claims, sources, units); and every library of another stage or
+# service: the broker, S3, Redis, images, PDFs, video, arrays, Parquet, metrics, the hub. Each
+# of these once cost `visbatch status` tens to hundreds of milliseconds (docs/performance.md).
 NOT_FOR_READING = (
     "sqlalchemy.orm",
     "ingest.spec",
     "worker.cli.run",
     "pydantic_settings",
     "sqlalchemy.dialects.postgresql",
+    "psycopg",
+    "alembic",
+    "migrations",
+    "worker.runtime",
+    "storage.repository",
+    "celery",
+    "kombu",
+    "boto3",
+    "redis",
+    "PIL",
+    "fitz",
+    "av",
+    "numpy",
+    "pyarrow",
+    "prometheus_client",
+    "huggingface_hub",
 )
 # The command runs as `visbatch` would; however it ends (an exit, an error, a SIGTERM), the
 # watched modules it loaded are printed last.
@@ -115,7 +135,8 @@ def test_command_imports_neither_torch_nor_transformers(env, tmp_path, args, req
 @pytest.mark.parametrize("command", ["status", "jobs", "results"])
 def test_reading_commands_load_no_orm_no_job_spec(env, tiny_model_dir, command):
     """What keeps `visbatch status` near its floor (SQLAlchemy Core, typer): checked on a real
-    job in the embedded SQLite database."""
+    job in the embedded SQLite database, the whole way (a database that is there, at the newest
+    migration: the path every day's `status` takes)."""
     from storage.db import Database
     from storage.repository import create_job
     from visbatch.settings import Settings

@@ -4,9 +4,11 @@ PostgreSQL, with a folder cache, and with a real Redis in front of moto's S3."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -245,11 +247,15 @@ def retention_sql() -> list[str]:
 
 def test_the_documented_retention_sql(db: Database) -> None:
     """docs/sql.md's retention SQL as written (the job id and cut-off filled in), each DELETE
-    repeated until it deletes nothing: the old job is gone, the other one intact."""
+    repeated until it deletes nothing: the old job is gone, the other one intact. The entries
+    listed are those purge deletes: not one another job names, nor one a running job will use
+    (a pending page of the same pixels, a file not split yet)."""
     from sqlalchemy import text
 
-    old = finished_job(db, [_key("shared"), _key("only")], days_ago=40, uri="file:///old.pdf")
-    new = finished_job(db, [_key("shared")], days_ago=1, uri="file:///new.pdf")
+    old = finished_files(db, {"file:///old.pdf": ["shared", "only", "soon"], "file:///more.pdf": ["more"]})
+    new = finished_files(db, {"file:///new.pdf": ["shared"]}, days_ago=1)
+    live_job(db, pending=["soon"], unsplit={"file:///more.pdf": None})
+    assert retention.orphaned_entries(db, [old]) == 1
     cutoff = (utcnow() - timedelta(days=30)).strftime("%Y-%m-%d")
     listing, keys, *deletes = retention_sql()
     assert len(deletes) == 4 and all(d.startswith("DELETE") for d in deletes)
@@ -270,3 +276,222 @@ def test_the_documented_retention_sql(db: Database) -> None:
                     break
     assert rows_of(db, old) == (0, 0, 0, 0)
     assert rows_of(db, new) == (1, 1, 1, 2)
+
+
+# --- What a live job uses or will use stays (issue 32, item 4) -------------------------------
+
+
+def _image(name: str) -> str:
+    """A page's image key as ingest stores it (images/<h[:2]>/<h>.png): its content."""
+    digest = hashlib.sha256(name.encode()).hexdigest()
+    return f"images/{digest[:2]}/{digest}.png"
+
+
+def _sha(uri: str) -> str:
+    return hashlib.sha256(uri.encode()).hexdigest()
+
+
+def finished_files(db: Database, files: dict[str, list[str]], *, days_ago: float = 40) -> str:
+    """A succeeded job, one source per uri (its sha256 from the uri), one unit per page name: the
+    page's pixels `_image(name)`, its entry `_key(name)`."""
+    started = repo.start_job(db, SPEC, [(uri, None) for uri in files])
+    unit_ids = []
+    for source_id, uri in started.sources:
+        pages = files[uri]
+        rows = [UnitRow(i, 64, 64, _image(name), 10) for i, name in enumerate(pages)]
+        ids = repo.add_units(db, started.job_id, source_id, rows, sha256=_sha(uri))
+        repo.complete_source(db, source_id, kind="pdf", sha256=_sha(uri), size=10)
+        repo.mark_units_encoded(db, [(u, _key(name), False) for u, name in zip(ids, pages, strict=True)])
+        unit_ids += ids
+    done = repo.store_results(
+        db,
+        [(started.job_id, _result(u, p)) for u in unit_ids for p in (0, 1)],
+        [(started.job_id, u) for u in unit_ids],
+    )
+    repo.close_finished(db, done.remaining)
+    when = utcnow() - timedelta(days=days_ago)
+    with db.session() as session:
+        session.execute(
+            update(JOBS).where(JOBS.c.id == started.job_id).values(created_at=when, finished_at=when)
+        )
+    return started.job_id
+
+
+def live_job(
+    db: Database,
+    *,
+    encoded: Sequence[str] = (),
+    pending: Sequence[str] = (),
+    unsplit: dict[str, str | None] | None = None,
+    status: str = "running",
+) -> str:
+    """A job still at work: one split source whose pages `encoded` name their entries and whose
+    pages `pending` (not encoded yet) have only their pixels, and sources not split yet
+    (`unsplit`: uri -> its sha256 once the first pages pinned it, None before the file is opened)."""
+    uris = ["file:///live.pdf", *(unsplit or {})]
+    started = repo.start_job(db, SPEC, [(uri, None) for uri in uris])
+    (split_id, _), *others = started.sources
+    names = [*encoded, *pending]
+    rows = [UnitRow(i, 64, 64, _image(name), 10) for i, name in enumerate(names)]
+    ids = repo.add_units(db, started.job_id, split_id, rows, sha256=_sha("file:///live.pdf"))
+    repo.mark_units_encoded(
+        db, [(u, _key(name), False) for u, name in zip(ids[: len(encoded)], encoded, strict=True)]
+    )
+    with db.session() as session:
+        for source_id, uri in others:
+            sha = (unsplit or {})[uri]
+            session.execute(update(SOURCES).where(SOURCES.c.id == source_id).values(sha256=sha))
+        session.execute(update(JOBS).where(JOBS.c.id == started.job_id).values(status=status))
+    return started.job_id
+
+
+def _entries(kept: retention.Purged) -> tuple[int, int, int, dict[str, int]]:
+    return kept.cache_entries, kept.entries_kept_live, kept.entries_kept_shared, kept.kept_for
+
+
+def test_a_running_job_keeps_the_entries_it_will_use(db: Database, tmp_path: Path) -> None:
+    """The issue's case: a finished job of 23 pages, 18 of them shared with a running job that has
+    encoded 6 (its units name the entries), has 9 still pending (no cache key yet: their pixels
+    tell) and 3 in a file it has not split yet (the same uri). The 18 stay, the dry run says so
+    and why, and of the 5 others the one a finished job that stays names stays too."""
+    cache = FolderTokenCache(tmp_path / "cache", 10**9)
+    report = [f"r{i:02}" for i in range(20)]  # _key pads with 0: "r1" would be "r10"
+    annex = ["x0", "x1", "x2"]
+    for name in [*report, *annex, "own"]:
+        cache.put(_key(name), b"tokens")
+    old = finished_files(db, {"file:///report.pdf": report, "file:///annex.pdf": annex})
+    newer = finished_files(db, {"file:///other.pdf": ["r19"]}, days_ago=1)
+    running = live_job(
+        db, encoded=[*report[:6], "own"], pending=report[6:15], unsplit={"file:///annex.pdf": None}
+    )
+    assert [c.id for c in retention.find_purgeable(db, before=utcnow() - timedelta(days=30))] == [old]
+
+    preview = retention.preview_entries(db, [old], batch=4)
+    assert _entries(preview) == (4, 18, 1, {running: 18})
+    assert preview.live_status == {running: "running"}
+    assert retention.orphaned_entries(db, [old]) == 4
+
+    done = retention.purge_jobs(db, [old], delete_entries=retention.cache_deleter(cache), batch=4)
+    assert _entries(done) == _entries(preview)
+    assert rows_of(db, old) == (0, 0, 0, 0) and rows_of(db, running)[2] == 16
+    kept = [*report[:15], "r19", *annex, "own"]
+    assert [name for name in [*report, *annex, "own"] if cache.get(_key(name)) is not None] == kept
+    assert rows_of(db, newer) == (1, 1, 1, 2)
+
+    # Once the running job has finished, purging it deletes the entries it named.
+    with db.session() as session:
+        session.execute(update(JOBS).where(JOBS.c.id == running).values(status="succeeded"))
+    gone = retention.purge_jobs(db, [running], delete_entries=retention.cache_deleter(cache))
+    assert gone.cache_entries == 7 and gone.entries_kept_live == 0
+    assert cache.get(_key("r00")) is None and cache.get(_key("own")) is None
+
+
+def test_files_not_split_yet_keep_their_entries(db: Database, tmp_path: Path) -> None:
+    """A live job's source not split yet: the same file by its sha256 once pinned (another name,
+    pages still to come), by its uri before the file is opened; a pinned sha256 that differs, or
+    a source already split, keeps nothing. Queued jobs count as live; each live job is named
+    with what it needs, an entry two of them need counted once."""
+    cache = FolderTokenCache(tmp_path / "cache", 10**9)
+    files = {
+        "file:///a.pdf": ["a0", "a1", "a2"],
+        "file:///b.pdf": ["b0", "b1"],
+        "file:///c.pdf": ["c0", "c1"],
+    }
+    for pages in files.values():
+        for name in pages:
+            cache.put(_key(name), b"t")
+    old = finished_files(db, files)
+    by_uri = live_job(db, unsplit={"file:///a.pdf": None}, status="queued")
+    by_sha = live_job(db, unsplit={"file:///copy-of-b.pdf": _sha("file:///b.pdf")}, pending=["a0"])
+    changed = live_job(db, unsplit={"file:///c.pdf": _sha("another file")})
+    split = live_job(db, encoded=["x"])  # its own file, split: nothing of the old job's
+    with db.session() as session:  # and a split c.pdf whose pages are all encoded, other ones
+        session.execute(
+            update(SOURCES)
+            .where(SOURCES.c.job_id == split, SOURCES.c.uri == "file:///live.pdf")
+            .values(uri="file:///c.pdf", status="ingested")
+        )
+
+    preview = retention.preview_entries(db, [old])
+    assert _entries(preview) == (2, 5, 0, {by_uri: 3, by_sha: 3})
+    assert preview.live_status == {by_uri: "queued", by_sha: "running"}
+    done = retention.purge_jobs(db, [old], delete_entries=retention.cache_deleter(cache))
+    assert _entries(done) == _entries(preview)
+    assert [n for p in files.values() for n in p if cache.get(_key(n))] == ["a0", "a1", "a2", "b0", "b1"]
+    assert rows_of(db, changed)[0] == 1
+
+
+def test_jobs_purged_together_count_a_shared_entry_once(db: Database, tmp_path: Path) -> None:
+    """Two finished jobs purged in one go, sharing pages with each other and a running one: the
+    dry run's counts are the purge's, each entry counted once, by the last job that names it."""
+    cache = FolderTokenCache(tmp_path / "cache", 10**9)
+    for name in ("s", "t", "u", "v", "w"):
+        cache.put(_key(name), b"t")
+    first = finished_files(db, {"file:///1.pdf": ["s", "t", "u"]}, days_ago=50)
+    second = finished_files(db, {"file:///2.pdf": ["s", "t", "v"]}, days_ago=40)
+    running = live_job(db, pending=["s"], encoded=["w"])
+    ids = [c.id for c in retention.find_purgeable(db, before=utcnow() - timedelta(days=30))]
+    assert ids == [first, second]
+
+    preview = retention.preview_entries(db, ids, batch=2)
+    assert _entries(preview) == (3, 1, 0, {running: 1})
+    done = retention.purge_jobs(db, ids, delete_entries=retention.cache_deleter(cache), batch=2)
+    assert _entries(done) == _entries(preview)
+    assert [name for name in "stuvw" if cache.get(_key(name))] == ["s", "w"]
+
+
+def test_a_live_job_s_entries_stay_in_redis_and_s3(
+    sqlite_db: Database, redis_url: str, redis_prefix: str, s3_client: Any, s3_bucket: str
+) -> None:
+    """The hot (a real Redis) and cold (moto S3) tiers: the entry a running job's pending page
+    will use stays in both, the purged job's other entries go from both."""
+    db = sqlite_db
+    cold = S3ObjectStore(s3_bucket, "cache", client=s3_client)
+    hot = RedisTokenCache.from_url(redis_url, namespace=redis_prefix)
+    cache = TieredTokenCache(hot, S3TokenCache(cold))
+    names = ["p0", "p1", "p2"]
+    for name in names:
+        cache.put(_key(name), b"tokens")
+    old = finished_files(db, {"file:///old.pdf": names})
+    live_job(db, pending=["p1"])
+
+    done = retention.purge_jobs(db, [old], delete_entries=retention.cache_deleter(cache))
+    assert (done.cache_entries, done.entries_kept_live) == (2, 1)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert [name for name in names if client.get(redis_prefix + _key(name))] == ["p1"]
+    finally:
+        client.close()
+    for name in ("p0", "p2"):
+        with pytest.raises(ObjectNotFound):
+            cold.get_bytes(S3TokenCache._key(_key(name)))
+    assert cold.get_bytes(S3TokenCache._key(_key("p1"))) == b"tokens"
+
+
+def test_the_purge_command_says_what_it_kept_for_a_running_job(sqlite_url: str, tmp_path: Path) -> None:
+    """As a user runs it beside a running job: the dry run and the purge name the running job and
+    how many entries they keep for it; the entries stay in the folder cache."""
+    db = Database(sqlite_url)
+    db.upgrade()
+    home = tmp_path / "home"
+    cache = FolderTokenCache(home / "token-cache", 10**9)
+    pages = [f"p{i}" for i in range(5)]
+    for name in pages:
+        cache.put(_key(name), b"t")
+    old = finished_files(db, {"file:///old.pdf": pages})
+    running = live_job(db, encoded=pages[:1], pending=pages[1:3])
+    env = {**os.environ, "VISBATCH_DATABASE_URL": sqlite_url, "VISBATCH_HOME": str(home)}
+    env.pop("VISBATCH_CACHE_URL", None)
+    said = f"kept 3 cached token entries that running job {running[:12]} uses or will use"
+
+    dry = _visbatch(env, "purge", "--older-than", "30d", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "cached token entries no other job uses: 2" in dry.stderr
+    assert said in dry.stderr and "(dry run: nothing deleted)" in dry.stderr
+    assert rows_of(db, old)[0] == 1
+
+    done = _visbatch(env, "purge", "--job", old[:12])
+    assert done.returncode == 0, done.stderr
+    assert "2 cached token entries" in done.stderr and said in done.stderr
+    assert [name for name in pages if cache.get(_key(name))] == pages[:3]
+    db.dispose()

@@ -53,8 +53,9 @@ def test_options_are_checked_like_the_cli(folder):
         visbatch.run([folder], prompts=["Hi"], longest_sid=100)
     with pytest.raises(visbatch.Error, match="no prompt"):
         visbatch.run([folder], prompts=[])
-    with pytest.raises(FileNotFoundError):
-        visbatch.run([folder / "nope.pdf"], prompts=["Hi"])
+    with pytest.raises(visbatch.Error, match=r"no such file or folder: .*nope\.pdf") as missing:
+        visbatch.run([folder / "nope.pdf"], prompts=["Hi"])  # issue 31: was a bare FileNotFoundError
+    assert missing.value.fix == "check the path (folders are walked)"
 
 
 @pytest.mark.slow
@@ -136,3 +137,17 @@ def test_submit_queues_the_job_on_the_broker_and_cancel_stops_it(
     client = redis.Redis.from_url(redis_url)
     queued = [key for key in client.scan_iter(f"{redis_prefix}*") if client.type(key) == b"list"]
     assert any(client.llen(key) for key in queued), queued  # the ingest task waits for a worker
+
+
+def test_import_visbatch_from_the_clones_parent_folder(tmp_path):
+    # Issue 31: from the folder holding a clone named visbatch, `import visbatch` found the clone's
+    # folder (a namespace package without `run`); the install puts the package first (Makefile).
+    import subprocess
+    import sys
+
+    (tmp_path / "visbatch").symlink_to(ROOT, target_is_directory=True)
+    done = subprocess.run(
+        [sys.executable, "-c", "import visbatch; print(visbatch.run.__module__)"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "visbatch.api", done.stderr

@@ -8,7 +8,7 @@ from ingest.spec import JobSpec
 from storage import repository as repo
 from storage.rows import UnitRow, UnitTask
 from worker.engines.base import EngineRequest, Generation
-from worker.tokens.request_builder import Prepared, RequestBuilder, without_nul
+from worker.stages.generate.requests import Prepared, RequestBuilder, without_nul
 from worker.tokens.tensors import VisualTokens
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}

@@ -1,5 +1,5 @@
 """worker.retry: one decision (`next_wait`) applied by every driver: the embedded run and stages
-(`call`), the LLM server engine (`acall`) and the Celery tasks (worker.drivers.tasks.retrying,
+(`call`), the LLM server engine (`acall`) and the Celery tasks (worker.drivers.fleet.tasks.retrying,
 tested with a real Celery app in test_retry_publish.py). No service is needed: the errors are
 the real classes storage.errors classifies."""
 

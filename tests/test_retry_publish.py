@@ -11,8 +11,9 @@ import sqlalchemy.exc
 from celery.exceptions import Reject, Retry
 
 from visbatch.settings import Settings
-from worker.drivers.celery_app import make_celery
-from worker.drivers.tasks import StageTask, retrying
+from worker.drivers.fleet.celery_app import make_celery
+from worker.drivers.fleet.tasks import StageTask, tried
+from worker.stages.failures import INGEST, SourceWork
 
 
 @pytest.fixture
@@ -27,9 +28,16 @@ def app(closed_port: int):
     return celery
 
 
+class _FlakyTask(StageTask):
+    stage = INGEST  # its give_up is never reached: the error is transient and tries remain
+
+    def work(self, args: tuple) -> SourceWork:
+        return SourceWork("job", 1, "a.pdf")
+
+
 def _task(app, body):
-    @app.task(bind=True, base=StageTask, name="visbatch.test_flaky")
-    @retrying
+    @app.task(bind=True, base=_FlakyTask, name="visbatch.test_flaky")
+    @tried
     def flaky(self):
         return body()
 

@@ -10,6 +10,7 @@ What is expected is counted from the tables with plain SQL here, not through sto
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -171,6 +172,22 @@ def _check_site(driver, index_url: str, job: ReviewJob, shots: Path, per_page: i
     }
     assert set(links) == set(job.sources)
     assert job.broken_error.splitlines()[0] in " ".join(_text_content(driver, ".source-error"))
+    # Words a person reads (issue 31, item 8): sources done (not `ingested`), the one whose answers
+    # failed on an amber badge (not the grey of a badge without a colour), readable times.
+    seen = driver.find_element("css selector", "body").text
+    assert "ingested" not in seen and "null" not in seen and "cache_hits" not in seen
+    states = dict(
+        zip(_text_content(driver, "a.source"), _text_content(driver, ".sources .badge"), strict=True)
+    )
+    assert states[job.sources["broken.pdf"].uri] == "failed"
+    assert states[job.sources["invoice.pdf"].uri] == "done, with failures"  # its schema errors
+    badge = driver.find_element("css selector", ".sources .badge.partial")
+    assert badge.value_of_css_property("background-color") not in (
+        "rgba(232, 232, 232, 1)",
+        "rgb(232, 232, 232)",
+    )
+    times = driver.find_elements("css selector", "time")
+    assert times and all(re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", t.text) for t in times)
     driver.save_screenshot(str(shots / "index.png"))
 
     for name, facts in job.sources.items():

@@ -4,6 +4,7 @@ HTTP and exported static. The commands never import torch or transformers."""
 
 from __future__ import annotations
 
+import re
 import threading
 import urllib.error
 import urllib.request
@@ -220,9 +221,86 @@ def test_view_command_is_light_and_clear(stored_job, tmp_path):
     result = run_cli(home, "view", job_id, "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "out" / "index.html").is_file()
+    # stderr says what its lines are: no bare path (issue 31, item 8).
+    head, *lines = result.stderr.splitlines()
+    assert head == f"writing the review pages of job {job_id} to {tmp_path / 'out'}:", result.stderr
+    assert lines and all(line.startswith("  wrote the pages of /") for line in lines), result.stderr
     missing = run_cli(home, "view", "feedbeef00")
     assert missing.returncode == 2 and "no job 'feedbeef00'" in missing.stderr
     empty = run_cli(tmp_path / "empty-home", "view", "feedbeef00")
-    # A database without visbatch's tables: exit 4 like every command, with the migration fix.
-    assert empty.returncode == 4 and "holds no visbatch tables" in empty.stderr
-    assert "visbatch db upgrade" in empty.stderr
+    # No database there: exit 4 like every command that reads, naming the file (none is made).
+    assert empty.returncode == 4 and f"no visbatch database at {tmp_path / 'empty-home'}" in empty.stderr
+    assert "visbatch db upgrade" in empty.stderr and not (tmp_path / "empty-home").exists()
+
+
+class _Text(HTMLParser):
+    """What a reader sees: the text between the tags (attribute values left out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts: list[str] = []
+
+        self.hidden = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.hidden += tag in ("style", "title")
+
+    def handle_endtag(self, tag: str) -> None:
+        self.hidden -= tag in ("style", "title")
+
+    def handle_data(self, data: str) -> None:
+        if not self.hidden:
+            self.parts.append(data)
+
+
+def _seen(html: str) -> str:
+    parser = _Text()
+    parser.feed(html)
+    return " ".join(" ".join(parser.parts).split())
+
+
+def test_the_pages_say_things_in_words(sqlite_db, tmp_path):
+    """Issue 31, item 8: a finished source is `done` (not its pipeline step `ingested`), the budget
+    and the savings in words (no `null`, no `skipped_frames`), pages+frames (not `units`), times a
+    person reads, and the `partial` badge in a warning colour."""
+    from ingest.spec import JobSpec
+    from storage import repository as repo
+    from storage.repository import ResultRow, UnitRow
+    from worker.review.html import STYLE
+
+    db = sqlite_db
+    spec = JobSpec(prompts=["Total?"]).model_dump(mode="json")
+    started = repo.start_job(db, spec, [("/in/a.pdf", None), ("/in/b.pdf", None)])
+    done = []
+    for n, (source_id, _uri) in enumerate(started.sources):
+        rows = [UnitRow(i, 64, 64, f"images/{n}-{i}.png", 100) for i in range(3)]
+        unit_ids = repo.add_units(db, started.job_id, source_id, rows)
+        repo.complete_source(db, source_id, kind="pdf", sha256="a" * 64, size=10)
+        repo.mark_units_encoded(db, [(u, f"key{n}", i > 0) for i, u in enumerate(unit_ids)])
+        pairs = [
+            (started.job_id, ResultRow(u, 0, None, "42", "bad" if (n, i) == (1, 0) else None, 10, 100, 2,
+                                       "stop", "m", "e", False, 1.0))
+            for i, u in enumerate(unit_ids)
+        ]  # fmt: skip
+        done.append(repo.store_results(db, pairs, [(started.job_id, u) for u in unit_ids]))
+    assert repo.close_job(db, started.job_id) == "partial"
+
+    site = ReviewSite(db, open_object_store((tmp_path / "store").as_uri()), started.job_id)
+    index = site.index_page(1)
+    seen = _seen(index)
+    assert "ingested" not in seen and "null" not in seen
+    assert "skipped_frames" not in seen and "cache_hits" not in seen and "units" not in seen
+    assert "pages+frames 6 (0 failed, 0 skipped)" in seen
+    assert "from the cache 400" in seen  # 4 pages served by the cache, in words
+    assert "detail preset not set" in seen and "pruning keep all (no pruning)" in seen
+    a, b = (f'href="source-{source_id}-all-1.html"' for source_id, _ in started.sources)
+    row_a, row_b = (index.split(href, 1)[1].split("</tr>", 1)[0] for href in (a, b))
+    assert '<span class="badge done" data-state="ingested">done</span>' in row_a
+    assert '<span class="badge partial" data-state="ingested">done, with failures</span>' in row_b
+    assert '<span class="badge partial">partial</span>' in index
+    assert ".badge.partial{background:#fbd9a5" in STYLE  # amber, not the default grey
+    # Times: "2026-12-03 08:20 UTC" to read, the exact ISO time in the attribute only.
+    assert re.search(r"created \d{4}-\d\d-\d\d \d\d:\d\d UTC finished \d{4}-\d\d-\d\d \d\d:\d\d UTC", seen)
+    assert not re.search(r"\d\dT\d\d:\d\d", seen)
+    source = _seen(site.source_page(started.sources[0][0], "all", 1))
+    assert "3 pages" in source and "units" not in source and "ingested" not in source

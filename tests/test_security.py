@@ -53,7 +53,7 @@ def test_sql_is_never_built_from_strings(path):
 
 
 def test_celery_is_json_only():
-    from worker.drivers.celery_app import make_celery
+    from worker.drivers.fleet.celery_app import make_celery
 
     app = make_celery(Settings())
     assert app.conf.accept_content == ["json"]
@@ -62,7 +62,7 @@ def test_celery_is_json_only():
 
 
 def test_visibility_timeout_must_exceed_time_limit():
-    from worker.drivers.celery_app import make_celery
+    from worker.drivers.fleet.celery_app import make_celery
 
     with pytest.raises(ValueError, match="VISIBILITY_TIMEOUT"):
         make_celery(Settings(task_time_limit=600, visibility_timeout=600))

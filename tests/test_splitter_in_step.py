@@ -10,6 +10,7 @@ database goes away), the one thing injected.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -166,3 +167,42 @@ def test_units_of_a_replaced_file_are_refused(db):
     assert repo.add_units(db, job_id, source_id, [row], sha256="a" * 64)  # the same file: fine
     with pytest.raises(repo.SourceChanged, match="the file changed while it was being split"):
         repo.add_units(db, job_id, source_id, [repo.UnitRow(1, 28, 28, "images/b.png", 4)], sha256="b" * 64)
+
+
+# Ctrl-C (issue 31) ------------------------------------------------------------------------------
+# A terminal's Ctrl-C reaches its whole process group, the splitting child too: every Ctrl-C of a
+# run printed the child's `KeyboardInterrupt` traceback, which looked like a crash.
+
+
+def test_ctrl_c_leaves_the_child_to_its_parent(splitter, tmp_path, capfd):
+    """No traceback, and no death of its own: its parent decides (a run's stop kills it, a
+    worker's warm shutdown lets the source in hand finish); closing its input ends it quietly."""
+    pdf = write_pdf(tmp_path / "alpha.pdf", pages=6, text="alpha words")
+    items = splitter.split(pdf, OPTIONS)
+    assert isinstance(next(items), SourceInfo)
+    child = splitter._proc
+    assert child is not None and child.stdin is not None
+    child.send_signal(signal.SIGINT)
+    units = list(items)  # the source goes on to its end
+    assert [u.index for u in units] == [0, 1, 2, 3, 4, 5] and _own_words(units, "alpha words")
+    child.stdin.close()  # its parent is done with it
+    assert child.wait(timeout=30) == 0
+    err = capfd.readouterr().err  # the child writes to the stderr it inherited: this one
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_a_child_whose_parent_left_at_once_ends_quietly(splitter, tmp_path, capfd):
+    """A second Ctrl-C ends the run at once (os._exit), mid-source: the child's next reply goes
+    to a closed pipe, which ends it, without a BrokenPipeError traceback after the shell's prompt."""
+    pdf = write_pdf(tmp_path / "alpha.pdf", pages=40, text="alpha words")
+    items = splitter.split(pdf, OPTIONS)
+    assert isinstance(next(items), SourceInfo)
+    child = splitter._proc
+    assert child is not None and child.stdin is not None and child.stdout is not None
+    child.send_signal(signal.SIGINT)
+    child.stdout.close()  # what the parent's exit does to its end of the pipes
+    child.stdin.close()
+    assert child.wait(timeout=30) is not None
+    items.close()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Error" not in err, err

@@ -1,4 +1,4 @@
-"""The fleet's safety net for stuck jobs (worker.drivers.stall_watch), on SQLite and PostgreSQL.
+"""The fleet's safety net for stuck jobs (worker.drivers.fleet.stall_watch), on SQLite and PostgreSQL.
 
 At this level the broker is two seams: a recorder stands in for sending tasks (what would be put
 on each queue), and fixed queue states stand in for asking the broker how many messages and
@@ -17,8 +17,8 @@ from storage.models import utcnow
 from storage.rows import UnitRow
 from storage.units import add_units, finish_units, mark_units_encoded
 from visbatch.settings import Settings
-from worker.drivers.consumers import QueueState
-from worker.drivers.stall_watch import resume_stalled_jobs
+from worker.drivers.fleet.consumers import QueueState
+from worker.drivers.fleet.stall_watch import resume_stalled_jobs
 
 SETTINGS = Settings(stall_after_s=120, encode_chunk_units=2)
 SERVED = {stage: QueueState(messages=0, consumers=1) for stage in jobs.STAGES}
@@ -159,7 +159,7 @@ def test_one_sweeper_at_a_time_on_postgresql(postgres_db):
     """While one sweep holds the advisory lock, another sweep does nothing."""
     from sqlalchemy import text
 
-    from worker.drivers.stall_watch import SWEEP_LOCK_KEY
+    from worker.drivers.fleet.stall_watch import SWEEP_LOCK_KEY
 
     job_id, _, _ = _fleet_job(postgres_db)
     recorder = Recorder()

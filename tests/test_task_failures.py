@@ -6,7 +6,7 @@ import pytest
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
 from storage import repository as repo
-from worker.drivers import tasks
+from worker.drivers.fleet import tasks
 
 
 @pytest.mark.parametrize("exc", [SoftTimeLimitExceeded(), TimeLimitExceeded(90)])

@@ -24,7 +24,7 @@ from tests.media import write_pdf
 from worker.drivers.embedded import start_local_job
 from worker.runtime import Runtime
 from worker.stages.encode import encode_units
-from worker.stages.generate import GenerateLoop, JobUnits, UnitIds, UnitsOutcome, _Ticket
+from worker.stages.generate import GenerateLoop, JobUnits, Ticket, UnitIds, UnitsOutcome
 from worker.stages.ingest import ingest_source
 
 pytestmark = pytest.mark.slow
@@ -74,7 +74,7 @@ def test_one_read_of_units_and_answers_for_every_waiting_message(counting, setti
     # a redelivery of a unit already done: nothing to do, settled at once.
     batched = GenerateLoop(rt)
     messages = [UnitIds([u.unit_id], SPEC) for u in units[2:]] + [UnitIds([units[0].unit_id], SPEC)]
-    tickets = [_Ticket(Future(), left=1) for _ in messages]
+    tickets = [Ticket(Future(), left=1) for _ in messages]
     before = {key: counting(key) for key in (answers, rows)}
     batched.add_many(list(zip(messages, tickets, strict=True)))
     assert {key: counting(key) - before[key] for key in (answers, rows)} == {answers: 1, rows: 1}
@@ -90,7 +90,7 @@ def test_one_read_of_units_and_answers_for_every_waiting_message(counting, setti
 
 
 def test_a_generate_task_reads_a_live_job_once_a_second(counting, monkeypatch, settings_factory):
-    import worker.drivers.tasks as tasks
+    import worker.drivers.fleet.tasks as tasks
 
     rt = Runtime(settings_factory())
     monkeypatch.setattr(tasks, "_db", lambda: rt.db)

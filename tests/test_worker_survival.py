@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.drivers.supervisor import EX_CONFIG, RestartPolicy, Supervisor
+from worker.drivers.fleet.supervisor import EX_CONFIG, RestartPolicy, Supervisor
 
 # Budget: three fleets, a broker restarted and a connection cut; to be tightened (issue 20).
 pytestmark = pytest.mark.budget(240, reason="three fleets, a Redis restart and a RabbitMQ cut")
@@ -44,7 +44,7 @@ def test_a_child_that_dies_is_restarted_and_a_crash_loop_ends(tmp_path, monkeypa
     starts = tmp_path / "starts"
     # Each start appends a line; the child always dies at once with code 3: a crash loop.
     code = f"open({str(starts)!r}, 'a').write('x\\n'); raise SystemExit(3)"
-    caplog.set_level(logging.INFO, logger="worker.drivers.supervisor")
+    caplog.set_level(logging.INFO, logger="worker.drivers.fleet.supervisor")
     assert Supervisor(_child(code), policy=FAST).run() == 3
     assert starts.read_text().count("x") == FAST.max_quick_exits
     assert "exited unexpectedly (exit code 3)" in caplog.text
@@ -62,7 +62,7 @@ def test_a_child_that_cannot_work_here_is_not_restarted(tmp_path, monkeypatch, c
 
 SUPERVISED = """
 import sys, time
-from worker.drivers.supervisor import RestartPolicy, Supervisor
+from worker.drivers.fleet.supervisor import RestartPolicy, Supervisor
 policy = RestartPolicy(quick_exit_s=0.01, max_quick_exits=3, backoff_base_s=0.05, backoff_max_s=0.1)
 raise SystemExit(Supervisor([sys.executable, "-c", sys.argv[1]], policy=policy).run())
 """

@@ -2,7 +2,7 @@
 
 The same code as the command line: the job's options are the CLI's (worker.options, as
 keyword arguments: ``longest_side=``, ``fps=``, ``detail=``, ``max_new_tokens=`` ...), the run is
-worker.drivers.embedded.EmbeddedRun, submission worker.drivers.submit, and the answers come from
+worker.drivers.embedded.EmbeddedRun, submission worker.drivers.fleet.submit, and the answers come from
 storage.repository in the records of `visbatch results` (worker.results_export): ``source``,
 ``kind``, ``page_number`` (PDF pages from 1), ``timestamp`` (video), ``unit_index`` and
 ``prompt_index`` (from 0, as in SQL), ``prompt``, ``output`` (JSON answers), ``text``, ``error``,
@@ -99,21 +99,24 @@ def _spec(job_options: Any) -> Any:
     return job_options.spec()
 
 
-def _runtime(model: str | None) -> Runtime:
+def _runtime(model: str | None, *, existing_db: bool = False) -> Runtime:
+    """``existing_db``: for a call that only reads (or changes) stored jobs, as `visbatch status`:
+    the database must be there already; none is made in the current folder (visbatch.Unavailable
+    naming where it looked)."""
     from visbatch.settings import Settings
     from worker.runtime import Runtime
 
-    return Runtime(Settings(), model=model)
+    return Runtime(Settings(), model=model, existing_db=existing_db)
 
 
 def _files(paths: Sequence[PathLike], include: Sequence[str], exclude: Sequence[str]) -> list[Path]:
     from ingest.inputs import select_inputs
 
-    selection = select_inputs([Path(p) for p in paths], include, exclude)
-    if selection.missing:
-        raise FileNotFoundError(f"no such file or folder: {', '.join(map(str, selection.missing))}")
-    if not selection.files:
-        raise UserError(f"no input files found in {', '.join(map(str, paths))}")
+    given = [Path(p) for p in paths]
+    selection = select_inputs(given, include, exclude)
+    refused = selection.refusal(given)  # a missing path too: a visbatch.Error, as the CLI's exit 2
+    if refused is not None:
+        raise UserError(*refused)
     return selection.files
 
 
@@ -158,7 +161,7 @@ def submit(
     """Send a job to the fleet (like `visbatch submit`): local files are uploaded to the store,
     ``s3://`` objects and prefixes are read in place. Returns at once, or when it ends (`wait`).
     Warns (NoWorkerWarning, on stderr) when no worker consumes a queue the job needs."""
-    from worker.drivers.submit import missing_workers_warning, submit_job
+    from worker.drivers.fleet.submit import missing_workers_warning, submit_job
 
     spec = _spec(_options(prompts, schema, model, options))
     local = [Path(i) for i in map(str, inputs) if not i.startswith("s3://")]
@@ -181,7 +184,7 @@ def job(job_id: str) -> Job:
     """An existing job, by id or unique prefix (6+ hex digits)."""
     from storage import repository as repo
 
-    rt = _runtime(None)
+    rt = _runtime(None, existing_db=True)
     return Job(repo.resolve_job_id(rt.db, job_id), rt)
 
 
@@ -190,7 +193,7 @@ def jobs(limit: int = 20) -> list[dict[str, Any]]:
     """The newest jobs first, with their counters (`visbatch jobs`)."""
     from storage import repository as repo
 
-    return repo.list_jobs(_runtime(None).db, limit=limit)
+    return repo.list_jobs(_runtime(None, existing_db=True).db, limit=limit)
 
 
 class Job:
@@ -252,18 +255,12 @@ class Job:
 
     @_plain_errors
     def write(self, path: PathLike, format: str | None = None) -> Path:  # noqa: A002 - as the CLI
-        """Write the answers to a file: jsonl, csv or parquet (by `format`, else the extension)."""
-        from worker.results_export import FORMATS, write_csv, write_jsonl, write_parquet
+        """Write the answers to a file: jsonl, csv or parquet, by the extension (.jsonl, .json,
+        .csv, .parquet) or `format` (the rules of `visbatch results -o`: results_export.output_format)."""
+        from worker.results_export import output_format, write_file
 
         path = Path(path)
-        fmt = format or path.suffix.lstrip(".").lower()
-        if fmt not in FORMATS:
-            raise UserError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
-        if fmt == "parquet":
-            write_parquet(self.results(), path)
-        else:
-            with open(path, "w", newline="") as handle:
-                (write_csv if fmt == "csv" else write_jsonl)(self.results(), handle)
+        write_file(self.results(), path, output_format(path, format, option="format="))
         return path
 
     @_plain_errors
@@ -279,7 +276,7 @@ class Job:
     @_plain_errors
     def wait(self, timeout: float | None = None, poll_seconds: float = 1.0) -> Job:
         """Until the job ends (a fleet job); returns self."""
-        from worker.drivers.submit import wait_for_job
+        from worker.drivers.fleet.submit import wait_for_job
 
         wait_for_job(self._rt, self.id, poll_seconds=poll_seconds, timeout=timeout)
         return self
@@ -287,7 +284,7 @@ class Job:
     @_plain_errors
     def cancel(self) -> Job:
         """Stop the job's remaining work; what is done stays."""
-        from worker.drivers.submit import cancel_job
+        from worker.drivers.fleet.submit import cancel_job
 
         cancel_job(self._rt, self.id)
         return self

@@ -302,7 +302,7 @@ class Settings:
     unacked_restore_interval: int = setting(
         5, ge=1, description="Seconds between sweeps for abandoned tasks."
     )
-    # The safety net for a job whose messages were lost anyway (worker.drivers.stall_watch).
+    # The safety net for a job whose messages were lost anyway (worker.drivers.fleet.stall_watch).
     stall_after_s: int = setting(
         120,
         ge=10,
@@ -311,6 +311,14 @@ class Settings:
     )
     stall_check_s: float = setting(
         30.0, gt=0, description="Seconds between a worker's looks for stalled jobs (jittered)."
+    )
+    # How a job run in one process is known to be alive, wherever it runs (storage.leases): renewed
+    # every sixth of this, so a database that pauses for a few seconds never expires a live run.
+    lease_s: float = setting(
+        30.0,
+        ge=3,
+        description="Seconds a run's lease on its job lasts; a job whose run stopped renewing it "
+        "this long is interrupted, and `visbatch resume` may take it over.",
     )
     # 8 retries, backoff 1, 2, 4 ... 60 s with jitter: 1.5-4.5 min, so a database or broker restart
     # (seconds to a couple of minutes) never fails a unit; a longer outage does, with its cause.
@@ -328,17 +336,19 @@ class Settings:
         if unknown:
             raise TypeError(f"unknown setting(s): {', '.join(unknown)}")
         hints = _HINTS
-        given: set[str] = set()
+        # Where each setting not left at its default came from: "VISBATCH_<NAME>" or the keyword.
+        given: dict[str, str] = {}
         for name, declared in SETTINGS.items():
             if name in values:
                 value = declared.convert(values[name], hints[name], name)
-                given.add(name)
+                given[name] = name
             elif os.environ.get(declared.env, "") != "":
                 value = declared.convert(os.environ[declared.env], hints[name], declared.env)
-                given.add(name)
+                given[name] = declared.env
             else:
                 value = declared.default
             setattr(self, name, value)
+        self._given = given
         # Where `model` came from: "VISBATCH_MODEL" (or a caller), "<home>/config.json", or "default".
         self._model_origin = "default"
         if "model" in given:
@@ -368,6 +378,24 @@ class Settings:
         if self.database_url:
             return self.database_url
         return f"sqlite:///{self.resolved_home / 'visbatch.db'}"
+
+    @property
+    def database_chosen_by(self) -> str:
+        """What chose the database: "VISBATCH_DATABASE_URL", "VISBATCH_HOME" (or the keyword
+        argument's name), or "" when both were left unset (the current folder's .visbatch)."""
+        if self.database_url:
+            return self._given.get("database_url", "database_url")
+        return self._given.get("home", "")
+
+    def database_origin(self) -> str:
+        """How `sqlalchemy_url` was found, in words an error can show: state depends on the
+        variables and on the folder a command runs in, so a message about the database says which."""
+        chosen_by = self.database_chosen_by
+        if self.database_url:
+            return f"from {chosen_by}"
+        if chosen_by:
+            return f"under {chosen_by}={self.home}; VISBATCH_DATABASE_URL unset"
+        return "the current folder's .visbatch: VISBATCH_HOME and VISBATCH_DATABASE_URL unset"
 
     def object_store_url(self) -> str:
         return self.store_url or f"file://{self.resolved_home / 'store'}"

@@ -15,6 +15,7 @@ import errno
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -73,14 +74,66 @@ def _database_url() -> str:
         return "the database"
 
 
+def database_described() -> tuple[str, str, str]:
+    """(where, how, chosen_by): the database this process uses as a person finds it (the SQLite
+    file's path, else the URL with its password masked), how it was chosen in words, and the
+    variable that chose it ("" for the current folder's .visbatch: Settings.database_chosen_by).
+    State depends on VISBATCH_HOME and on the folder a command runs in, so a message about the
+    database names both."""
+    from sqlalchemy.engine import make_url
+
+    from storage.db import mask_url
+    from visbatch.settings import Settings
+
+    try:
+        settings = Settings()
+        url = make_url(settings.sqlalchemy_url())
+        file = url.database if url.get_backend_name() == "sqlite" else None
+        where = mask_url(url)
+        if file and file != ":memory:" and not file.startswith("file:"):
+            where = str(Path(file).expanduser().resolve())
+        return where, settings.database_origin(), settings.database_chosen_by
+    except Exception:  # noqa: BLE001 - a message must never fail: say what we can
+        return "the database", "VISBATCH_DATABASE_URL, else $VISBATCH_HOME/visbatch.db", "?"
+
+
+# How to reach the right database, by what chose the one that was not right.
+_ELSEWHERE_FIX = {
+    "": "run visbatch in the folder whose .visbatch holds your jobs, or point VISBATCH_HOME at that "
+    ".visbatch folder (VISBATCH_DATABASE_URL at another database)",
+    "VISBATCH_HOME": "point VISBATCH_HOME at the folder that holds your visbatch.db, or unset it to use "
+    "the current folder's .visbatch (VISBATCH_DATABASE_URL: another database)",
+    "VISBATCH_DATABASE_URL": "correct VISBATCH_DATABASE_URL",
+}
+
+
+def _not_ready(exc: Any) -> UserError:
+    """No database where a reading command looked (storage.db.DatabaseNotReady): which one, how
+    it was found, and the way to the right one. Exit 4: the command is right, what it needs is
+    not found (as a database that is down)."""
+    where, how, chosen_by = database_described()
+    if exc.path is not None:  # no such SQLite file
+        fix = _ELSEWHERE_FIX.get(chosen_by, _ELSEWHERE_FIX["VISBATCH_DATABASE_URL"])
+        fix += "; a new one: `visbatch db upgrade`, or any `visbatch run`"
+        return UserError(f"no visbatch database at {where} ({how})", fix, EXIT_UNAVAILABLE)
+    return UserError(
+        f"the database {where} {exc.reason} ({how})",
+        "create or update its tables: visbatch db upgrade (or point VISBATCH_DATABASE_URL at "
+        "visbatch's database)",
+        EXIT_UNAVAILABLE,
+    )
+
+
 def explain(exc: BaseException) -> UserError | None:
     """A known failure as a UserError; None when it is not one we know (a bug)."""
     if isinstance(exc, UserError):
         return exc
     if isinstance(exc, OSError) and exc.filename is not None and exc.errno in _PATH_FIXES:
         return _path_error(exc)
-    from storage.db import DatabaseUrlError
+    from storage.db import DatabaseNotReady, DatabaseUrlError
 
+    if isinstance(exc, DatabaseNotReady):
+        return _not_ready(exc)
     if isinstance(exc, DatabaseUrlError):
         return UserError(
             f"VISBATCH_DATABASE_URL {exc.url}: {exc.reason}",
@@ -125,13 +178,30 @@ def explain(exc: BaseException) -> UserError | None:
         return UserError(str(exc), MODEL_FIX, EXIT_UNAVAILABLE)
     if isinstance(exc, UnsupportedModel):
         return UserError(str(exc), "use a model of a supported family (docs/engines.md)", EXIT_USAGE)
-    from storage.sql import NotFound
+    from storage.sql import JobNotFound, NotFound
     from visbatch.settings import SettingError
 
     if isinstance(exc, SettingError):
         return UserError(
             str(exc), "correct or unset that variable (docs/cli.md lists every setting)", EXIT_USAGE
         )
+    from storage.leases import LeaseHeld
+
+    if isinstance(exc, LeaseHeld):
+        return UserError(
+            str(exc),
+            "stop it there (Ctrl-C) or let it finish; resume takes over only a run that is gone "
+            "(its process ended here, or its lease expired: no renewal for VISBATCH_LEASE_S)",
+            EXIT_USAGE,
+        )
+    if isinstance(exc, JobNotFound) and str(exc).startswith("no job "):
+        # Where it looked: a job run from another folder lives in that folder's .visbatch.
+        where, how, chosen_by = database_described()
+        fix = "`visbatch jobs` lists the jobs there"
+        if not chosen_by:
+            fix += "; a job run in another folder is in that folder's .visbatch (run there, or set "
+            fix += "VISBATCH_HOME)"
+        return UserError(f"{exc} in {where} ({how})", fix, EXIT_USAGE)
     if isinstance(exc, NotFound):
         return UserError(str(exc), "`visbatch jobs` lists the recent jobs", EXIT_USAGE)
     return None

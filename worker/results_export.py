@@ -20,7 +20,13 @@ from itertools import groupby
 from pathlib import Path
 from typing import IO, Any
 
+from worker.errors import UserError
+
 FORMATS = ("jsonl", "csv", "parquet")
+
+# The extensions a file's format is read from (`visbatch results JOB -o answers.parquet`,
+# `job.write("answers.csv")`): `.json` too, for JSON lines, as Spark and BigQuery name them.
+EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
 
 # The columns of every export, in order (see the module doc for the bases).
 EXPORT_FIELDS = [
@@ -53,13 +59,15 @@ def page_number(kind: str | None, unit_index: int | None) -> int | None:
 
 
 def format_timestamp(seconds: float) -> str:
+    """A frame's time as every output writes it, the review pages too: 0:03.000, 1:02:07.250
+    (milliseconds, as video tools write them: frames a thirtieth of a second apart stay apart)."""
     minutes, secs = divmod(seconds, 60)
     hours, minutes = divmod(int(minutes), 60)
-    return f"{hours}:{minutes:02d}:{secs:04.1f}" if hours else f"{minutes}:{secs:04.1f}"
+    return f"{hours}:{minutes:02d}:{secs:06.3f}" if hours else f"{minutes}:{secs:06.3f}"
 
 
 def place(kind: str | None, unit_index: int | None, timestamp: float | None) -> str:
-    """Where in a source, as a person says it: 'page 3', 'frame at 0:12.0', 'image'."""
+    """Where in a source, as a person says it: 'page 3', 'frame at 0:12.000', 'image'."""
     if unit_index is None:
         return ""
     if kind == "pdf":
@@ -84,6 +92,50 @@ def export_record(result: dict[str, Any], prompts: list[str]) -> dict[str, Any]:
         "prompt": prompts[index] if 0 <= index < len(prompts) else None,
         **{key: result.get(key) for key in EXPORT_FIELDS[7:]},
     }
+
+
+def output_format(path: Path | None, given: str | None, *, option: str = "--format") -> str:
+    """The format of a results file: `given` (the `option` a caller spelled: `--format`, or the
+    API's `format=`), else the extension of `path`, else JSON lines (to stdout). Issue 31:
+    `-o b.parquet` wrote JSON lines into b.parquet.
+
+    A format that contradicts a known extension (`--format csv -o a.parquet`) is refused, not
+    honoured: either the name or the option is a mistake, and a file whose name lies about its
+    bytes fails later, in whatever reads it by its name (pandas, DuckDB, a spreadsheet). A refusal
+    can be relaxed later without breaking a script; honouring it could not be taken back. An
+    extension we do not know (`-o answers.txt`) takes the format given, and needs one."""
+
+    def spelled(value: str) -> str:
+        return f"{option}{value!r}" if option.endswith("=") else f"{option} {value}"
+
+    if given is not None and given not in FORMATS:
+        raise UserError(f"{spelled(given)}: not a format", f"use {', '.join(FORMATS)}")
+    if path is None:
+        return given or "jsonl"
+    by_name = EXTENSIONS.get(path.suffix.lower())
+    if given is not None and by_name is not None and given != by_name:
+        raise UserError(
+            f"{spelled(given)} contradicts the file name {path} ({path.suffix} is {by_name})",
+            f"leave out {option} (the extension tells the format), or name the file *.{given}",
+        )
+    fmt = given or by_name
+    if fmt is None:
+        raise UserError(
+            f"{path}: no format has the extension {path.suffix or '(none)'}",
+            f"name the file {', '.join(EXTENSIONS)}, or give {spelled('csv')} (or jsonl, parquet)",
+        )
+    return fmt
+
+
+def write_file(records: Iterable[dict[str, Any]], path: Path, fmt: str) -> int:
+    """Write the records to `path` in `fmt`; how many. The file is opened here, for every format:
+    an OSError then names the path (pyarrow's own open names none, and a missing folder was
+    "unexpected FileNotFoundError ... report it", exit 5), and worker.errors says what is wrong."""
+    if fmt == "parquet":
+        with open(path, "wb") as handle:
+            return write_parquet(records, handle)
+    with open(path, "w", newline="") as handle:
+        return (write_csv if fmt == "csv" else write_jsonl)(records, handle)
 
 
 def write_jsonl(records: Iterable[dict[str, Any]], handle: IO[str]) -> int:
@@ -137,8 +189,9 @@ def parquet_schema() -> Any:
     )
 
 
-def write_parquet(records: Iterable[dict[str, Any]], path: Path, batch_rows: int = 10_000) -> int:
-    """Streamed in row groups of `batch_rows`: memory stays flat for a million results."""
+def write_parquet(records: Iterable[dict[str, Any]], path: Path | IO[bytes], batch_rows: int = 10_000) -> int:
+    """Streamed in row groups of `batch_rows`: memory stays flat for a million results. `path`: a
+    file name or a binary file open for writing (write_file's)."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq

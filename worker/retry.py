@@ -6,7 +6,7 @@ remain: the stage raises it, and whoever runs it tries again with exponential ba
 `RetryPolicy.next_wait` is the one decision (another try or not, after how long; it counts and
 logs the retry), applied three ways: `call` (the embedded driver and the stages' own database
 reads and writes), `acall` (the LLM server engine's requests) and the Celery tasks' `retrying`
-(worker.drivers.tasks), which hand the wait to Celery as the retry's countdown so that a worker
+(worker.drivers.fleet.tasks), which hand the wait to Celery as the retry's countdown so that a worker
 never sleeps holding a message. Only an error that retrying cannot fix (a bad image, a schema
 violation), or the last try's, becomes a unit's error, with its real cause in the message.
 """
@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from storage.errors import describe, is_transient
+from storage.errors import describe, is_transient, local_fault
 from worker import metrics
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,14 @@ class RetryPolicy:
         """Seconds to wait before trying `what` again after `exc` failed try `attempt + 1`; None
         when it is not to be tried again (a permanent error, or the tries are spent): the caller
         then lets it fail. `explain` words the error for the log (never a secret)."""
+        local = local_fault(exc)
+        if local is not None:
+            # Waited out, however long: freeing space or remounting heals it, and a source failed
+            # for it would need a resume by hand. The operator hears it every try.
+            wait = self.delay(attempt)
+            metrics.RETRIES.labels(type(exc).__name__).inc()
+            log.warning("%s: waiting: %s; trying again in %.1f s", what, local, wait)
+            return wait
         if not is_transient(exc) or attempt >= self.max_retries:
             return None
         wait = self.delay(attempt)

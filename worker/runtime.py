@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ingest.limits import Limits
-from storage.db import Database
+from storage.db import Database, Migrated, open_existing
 from storage.errors import TransientFault, describe
 from visbatch.settings import Settings
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from worker.engines import Engine
     from worker.models import ModelAdapter
     from worker.retry import RetryPolicy
-    from worker.tokens.request_builder import RequestBuilder
+    from worker.stages.generate.requests import RequestBuilder
     from worker.tokens.store import VisualTokenStore
 
 
@@ -88,8 +88,21 @@ def resolve_model_name(name: str) -> str:
 
 
 class Runtime:
-    def __init__(self, settings: Settings, model: str | None = None, db: Database | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        model: str | None = None,
+        db: Database | None = None,
+        *,
+        existing_db: bool = False,
+        on_migrated: Callable[[Database, Migrated], None] | None = None,
+    ) -> None:
+        """``existing_db``: the database must already be there, migrated (a command that reads or
+        changes only what is stored: `cancel`, `purge`); else it is created and migrated on first
+        use, and ``on_migrated`` is told when that happened (the command line says so)."""
         self.settings = settings
+        self._existing_db = existing_db
+        self._on_migrated = on_migrated
         self._owns_db = db is None
         if db is not None:  # shared by the runtimes of a worker process: not ours to close
             self.__dict__["db"] = db
@@ -103,8 +116,13 @@ class Runtime:
 
     @cached_property
     def db(self) -> Database:
-        db = Database(self.settings.sqlalchemy_url())
-        db.ensure_schema()
+        url = self.settings.sqlalchemy_url()
+        if self._existing_db:
+            return open_existing(url)
+        db = Database(url)
+        migrated = db.ensure_schema()
+        if migrated is not None and self._on_migrated is not None:
+            self._on_migrated(db, migrated)
         return db
 
     @cached_property
@@ -235,7 +253,7 @@ class Runtime:
 
     @_LoadedOnce
     def requests(self) -> RequestBuilder:
-        from worker.tokens.request_builder import RequestBuilder
+        from worker.stages.generate.requests import RequestBuilder
 
         return RequestBuilder(
             self.load_model(), self.token_store, model_name=self.model_name, engine_name=self.engine.name

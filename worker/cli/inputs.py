@@ -18,17 +18,9 @@ def chosen_files(paths: Sequence[Path], job: JobOptions, *, quiet: bool = False)
     from ingest.inputs import select_inputs  # PyAV comes with it: only commands that take files
 
     selection = select_inputs(paths, job.include, job.exclude)
-    if selection.missing:
-        names = ", ".join(str(p) for p in selection.missing[:5])
-        raise UserError(f"no such file or folder: {names}", "check the path (folders are walked)")
-    if not selection.files:
-        given = ", ".join(str(p) for p in paths[:5])
-        left = len(selection.skipped) + len(selection.excluded)
-        detail = f"; {left} file(s) left out by the filters or as not documents" if left else ""
-        raise UserError(
-            f"no input files found in {given}{detail}",
-            "give PDFs, videos or images, or folders holding them (--include GLOB picks other files)",
-        )
+    refused = selection.refusal(paths)
+    if refused is not None:
+        raise UserError(*refused)
     note = selection.describe_skipped()
     if note and not quiet:
         typer.echo(note, err=True)
@@ -52,13 +44,33 @@ def unreadable_reason(path: Path) -> str | None:
     return None
 
 
-def check_readable(files: Sequence[Path]) -> None:
+def check_readable(files: Sequence[Path]) -> dict[Path, str]:
     """Refuse (exit 2) before any model loads when not one file can be a source: a job of only
     failed sources would take the model's load time to say what these bytes already say. Some
-    bad files among good ones do not stop the run: each becomes its source's error in the job."""
+    bad files among good ones do not stop the run: each becomes its source's error in the job,
+    and they are returned (with why) for the command to name them at once, before the model."""
     reasons = {path: unreadable_reason(path) for path in files}
     if all(reasons.values()):
         shown = "; ".join(f"{path}: {reason}" for path, reason in list(reasons.items())[:5])
         raise UserError(
             f"no input can be read: {shown}", "give readable PDFs, videos or images (nothing was started)"
         )
+    return {path: reason for path, reason in reasons.items() if reason}
+
+
+def unreadable_lines(unreadable: dict[Path, str], total: int, limit: int = 5) -> list[str]:
+    """What `run` says at once of the files that cannot be sources among others that can: one
+    line each (the first `limit`), then what becomes of them and of the job."""
+    from worker.cli.output import shown_path
+
+    if not unreadable:
+        return []
+    first = list(unreadable.items())[:limit]
+    lines = [f"warning: {shown_path(str(path))}: {reason}" for path, reason in first]
+    if len(unreadable) > limit:
+        lines.append(f"warning: and {len(unreadable) - limit} more that cannot be read")
+    lines.append(
+        f"warning: the job runs the other {total - len(unreadable)} file(s); {len(unreadable)} will be "
+        "failed source(s) (the job ends partial at best)"
+    )
+    return lines

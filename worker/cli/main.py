@@ -11,7 +11,6 @@ is printed, and how in a pipe, is worker.cli.output.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ from worker.cli.group import VisbatchGroup
 from worker.cli.output import make_console, print_summary, shown_path, token_lines
 from worker.cli.purge import register as _register_purge
 from worker.cli.review import register as _register_review
+from worker.cli.workers import register as _register_workers
 from worker.errors import (
     DEBUG_META_KEY,
     MODEL_FIX,
@@ -58,35 +58,85 @@ out = make_console(stderr=False)
 JobId = Annotated[str, typer.Argument(metavar="JOB", help="Job id or a unique prefix (6+ hex digits).")]
 
 
-def make_runtime(model: str | None):
+def _positive(value: float | None) -> float | None:
+    """A float option that must be above 0 (typer's ``min=`` includes its bound): refused while
+    the command line is read, exit 2 naming the option, like ``min=``'s."""
+    if value is not None and value <= 0:
+        raise typer.BadParameter(f"Input should be greater than 0, not {value:g}")
+    return value
+
+
+def make_runtime(model: str | None, *, existing_db: bool = False):
+    """The runtime of a command. Those that start work (`run`, `submit`, `watch`) create and
+    migrate the database they are pointed at, and say so; ``existing_db=True`` needs it there
+    already (worker.runtime)."""
     from worker.runtime import Runtime
 
-    return Runtime(Settings(), model=model)
+    return Runtime(Settings(), model=model, existing_db=existing_db, on_migrated=_say_migrated)
+
+
+def _say_migrated(db: Any, migrated: Any) -> None:
+    """One line when a command made the database or its newer tables (as `git init` says where):
+    a mistyped VISBATCH_DATABASE_URL or another current folder shows at once."""
+    from worker.errors import database_described
+
+    where, how, _ = database_described()
+    if migrated.from_revision is None:
+        made = f"the database {where}" if db.is_sqlite else f"visbatch's tables in {where}"
+        console.print(f"created {made} ({how})", highlight=False, soft_wrap=True)
+    else:
+        console.print(
+            f"migrated the database {where} from {migrated.from_revision} to {migrated.to_revision}",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+def stored_database(settings: Settings) -> Any:
+    """The database of a command that only reads (`status`, `jobs`, `results`): as it is, never
+    created or migrated, so that a wrong folder or URL is an error that names where it looked
+    (exit 4), not an empty answer. Without the Runtime: these commands stay light."""
+    from storage.db import open_existing
+
+    return open_existing(settings.sqlalchemy_url())
 
 
 @app.command()
 def watch(
-    prefix: Annotated[str, typer.Argument(help="s3://bucket/inbox/ to poll.")],
-    prompt: Annotated[list[str] | None, typer.Option("--prompt", "-p", help="Default prompt(s).")] = None,
-    spec_file: Annotated[Path | None, typer.Option("--spec", help="Default job spec (JSON).")] = None,
-    done_prefix: Annotated[str, typer.Option(help="Move processed objects here ('' keeps them).")] = "done/",
+    prefix: Annotated[str, typer.Argument(metavar="PREFIX", help="s3://bucket/inbox/ to poll.")],
+    prompt: Annotated[
+        list[str] | None, typer.Option("--prompt", "-p", metavar="TEXT", help="Default prompt(s).")
+    ] = None,
+    spec_file: Annotated[
+        Path | None, typer.Option("--spec", metavar="FILE", help="Default job spec (JSON).")
+    ] = None,
+    done_prefix: Annotated[
+        str, typer.Option(metavar="PREFIX", help="Move processed objects here ('' keeps them).")
+    ] = "done/",
     failed_prefix: Annotated[
-        str, typer.Option(help="Move objects whose job failed to start here.")
+        str, typer.Option(metavar="PREFIX", help="Move objects whose job failed to start here.")
     ] = "failed/",
-    poll_seconds: Annotated[float, typer.Option(help="Seconds between listings.")] = 5.0,
+    poll_seconds: Annotated[
+        float, typer.Option(metavar="S", help="Seconds between listings (> 0).", callback=_positive)
+    ] = 5.0,
     log_level: Annotated[
-        str, typer.Option(help="The watcher's log level: INFO shows every job made and every re-drop.")
+        str,
+        typer.Option(
+            metavar="LEVEL", help="The watcher's log level: INFO shows every job made and every re-drop."
+        ),
     ] = "INFO",
 ) -> None:
-    """Turn each object dropped under an S3 prefix into one fleet job, exactly once (a _spec.json
-    beside the objects may give their prompts and schema). Refuses (exit 2) a prefix that holds
-    the object store, the token cache or another watcher's folders."""
+    """Make one fleet job of each file dropped under an S3 prefix.
+
+    Each object becomes one job, exactly once (a _spec.json beside the objects may give their
+    prompts and schema). Refuses (exit 2) a prefix that holds the object store, the token cache or
+    another watcher's folders."""
     import threading
 
     from ingest.spec import JobSpec, SpecError, spec_from_json
-    from worker.drivers.drop_guard import WatcherRefused
-    from worker.drivers.dropfolder import DropFolderWatcher
-    from worker.drivers.submit import submit_job
+    from worker.drivers.dropfolder.guard import WatcherRefused
+    from worker.drivers.dropfolder.watcher import DropFolderWatcher
+    from worker.drivers.fleet.submit import submit_job
 
     level = logging.getLevelName(log_level.upper())
     if not isinstance(level, int):
@@ -120,7 +170,7 @@ def watch(
         raise UserError(str(exc)) from None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    from worker.drivers.stall_watch import StallWatch
+    from worker.drivers.fleet.stall_watch import StallWatch
 
     safety_net = StallWatch(rt.settings).start()  # the watcher also resumes stalled fleet jobs
     try:
@@ -135,35 +185,55 @@ def watch(
 
 @app.command()
 def cancel(job: JobId) -> None:
-    """Stop a fleet job's remaining work; what is done stays."""
-    from storage import repository as repo
-    from worker.drivers.submit import cancel_job
+    """Stop a job, fleet or embedded; its finished work stays.
 
-    rt = make_runtime(None)
-    job_id = cancel_job(rt, job)
-    console.print(f"job {job_id}: {repo.job_summary(rt.db, job_id)['status']}")
+    A fleet job's workers drop its remaining work; a job run in another process (`visbatch run`,
+    `resume`) stops within seconds and exits 130, as on Ctrl-C. `visbatch resume JOB` continues
+    it."""
+    # storage.jobs itself, as `status` reads it: not the submit driver, which imports the job spec,
+    # the Runtime and the stages (0.8 s idle, 3-6 s beside the run it stops, which holds the CPUs).
+    from storage.jobs import job_state, resolve_job_id, set_job_status
+    from storage.models import FINISHED_JOB_STATUSES
+
+    db = stored_database(Settings())
+    job_id = resolve_job_id(db, job)
+    state = job_state(db, job_id)
+    if state is not None and state[0] not in FINISHED_JOB_STATUSES:
+        # What worker.drivers.fleet.submit.cancel_job writes: fleet tasks drop the job's work, an
+        # embedded run (`visbatch run`, `resume`) stops within its poll (worker.cli.run).
+        set_job_status(db, job_id, "cancelled", error="cancelled by the user; finished work is kept")
+        state = job_state(db, job_id)
+    console.print(f"job {job_id}: {state[0] if state else 'gone'}")
 
 
 @app.command()
 def worker(
     queues: Annotated[
-        str, typer.Option(help="Comma-separated: ingest, encode, generate.")
+        str, typer.Option(metavar="QUEUES", help="Comma-separated: ingest, encode, generate.")
     ] = "ingest,encode,generate",
     concurrency: Annotated[
         int | None,
         typer.Option(
+            metavar="N",
+            min=1,
             help="ingest alone: processes (default: the cores). With encode/generate: task threads "
-            "(default: the generate window, VISBATCH_GENERATE_WINDOW, or 16 for encode alone)."
+            "(default: the generate window, VISBATCH_GENERATE_WINDOW, or 16 for encode alone).",
         ),
     ] = None,
-    name: Annotated[str | None, typer.Option(help="Worker name (default: from the queues and host).")] = None,
-    loglevel: Annotated[str, typer.Option()] = "INFO",
+    name: Annotated[
+        str | None, typer.Option(metavar="NAME", help="Worker name (default: from the queues and host).")
+    ] = None,
+    loglevel: Annotated[
+        str, typer.Option(metavar="LEVEL", help="Celery's log level: DEBUG, INFO, WARNING or ERROR.")
+    ] = "INFO",
     metrics_port: Annotated[
         int | None,
         typer.Option(
             metavar="PORT",
+            min=0,
+            max=65535,
             help="Prometheus metrics port (default: $VISBATCH_METRICS_PORT, 9808; the next free one "
-            "when it is taken).",
+            "when it is taken; 0: any free port, named in the log).",
         ),
     ] = None,
     metrics: Annotated[bool, typer.Option("--metrics/--no-metrics", help="Serve Prometheus metrics.")] = True,
@@ -176,10 +246,12 @@ def worker(
         ),
     ] = True,
 ) -> None:
-    """Start a Celery worker: processes for ingest alone; for GPU stages one process (the model loaded
-    once) whose task threads feed one engine loop: start one worker per GPU."""
-    from worker.drivers.celery_app import QUEUES, queue_name
-    from worker.drivers.celery_app import app as celery_app
+    """Start a fleet worker (Celery) for some or all stages.
+
+    Processes for ingest alone; for GPU stages one process (the model loaded once) whose task
+    threads feed one engine loop: start one worker per GPU."""
+    from worker.drivers.fleet.celery_app import QUEUES, queue_name
+    from worker.drivers.fleet.celery_app import app as celery_app
 
     chosen = [q.strip() for q in queues.split(",") if q.strip()]
     unknown = sorted(set(chosen) - set(QUEUES))
@@ -189,13 +261,19 @@ def worker(
             f"choose from {', '.join(QUEUES)}",
         )
     settings = Settings()
-    name = name or f"visbatch-{'-'.join(chosen)}-{os.getpid()}@%h"
     if supervise:
-        child = ["worker", "--queues", ",".join(chosen), "--name", name, "--loglevel", loglevel,
+        # The child names itself: each worker process is its own instance (worker.drivers.fleet.heartbeats).
+        child = ["worker", "--queues", ",".join(chosen), "--loglevel", loglevel,
                  "--metrics" if metrics else "--no-metrics", "--no-supervise"]  # fmt: skip
+        child += ["--name", name] if name else []
         child += ["--concurrency", str(concurrency)] if concurrency is not None else []
         child += ["--metrics-port", str(metrics_port)] if metrics_port is not None else []
         raise typer.Exit(_supervised(child))
+    from worker.drivers.fleet import heartbeats
+    from worker.drivers.fleet.instance import this_instance
+
+    instance = this_instance()
+    name = name or f"visbatch-{'-'.join(chosen)}-{instance}@%h"
     argv = [
         "worker",
         "-Q",
@@ -210,8 +288,11 @@ def worker(
         "--without-gossip",
         "--without-mingle",
     ]
+    port = None
     if metrics:
-        _serve_worker_metrics(settings, metrics_port, prefork=not {"encode", "generate"} & set(chosen))
+        port = _serve_worker_metrics(settings, metrics_port, prefork=not {"encode", "generate"} & set(chosen))
+    card = heartbeats.card_for_this_process(instance, chosen, name=name, metrics_port=port)
+    heartbeats.set_this_worker(card)  # beaten by the stall watch once Celery is ready
     if {"encode", "generate"} & set(chosen):
         # Task threads mostly wait on the process's one engine loop; they are the window of
         # messages (units) in flight, acknowledged as each unit's results are stored.
@@ -231,14 +312,17 @@ def worker(
         rt = _load_default_model()
         if rt is not None and "generate" in chosen:
             _check_hot_tier(rt, concurrency or settings.generate_window)
+    from worker.drivers.fleet.reconnect_logs import install as quiet_reconnects
+
+    quiet_reconnects()  # a broker reconnect is one WARNING line, not a page of tracebacks
     celery_app.worker_main(argv)
 
 
 def _supervised(child_args: list[str]) -> int:
-    """`visbatch worker ARGS --no-supervise` in a child process, kept up (worker.drivers.supervisor)."""
-    from worker.drivers.supervisor import Supervisor
+    """`visbatch worker ARGS --no-supervise` in a child process, kept up (worker.drivers.fleet.supervisor)."""
+    from worker.drivers.fleet.supervisor import Supervisor
 
-    logging.getLogger("worker.drivers.supervisor").setLevel(logging.INFO)
+    logging.getLogger("worker.drivers.fleet.supervisor").setLevel(logging.INFO)
     command = "from worker.cli.main import app; app(prog_name='visbatch')"
     return Supervisor([sys.executable, "-c", command, *child_args]).run()
 
@@ -271,8 +355,8 @@ def _load_default_model() -> Any:
     it ready instead of several task threads loading it at once, and a model that cannot load
     stops this worker (EX_CONFIG, the reason logged) instead of failing the units it holds."""
     from ingest.token_rules import ModelFilesUnavailable, UnsupportedModel
-    from worker.drivers.supervisor import EX_CONFIG
-    from worker.drivers.tasks import runtime_for
+    from worker.drivers.fleet.supervisor import EX_CONFIG
+    from worker.drivers.fleet.tasks import runtime_for
     from worker.runtime import ModelUnavailable
 
     log = logging.getLogger("worker.runtime")
@@ -291,9 +375,9 @@ def _load_default_model() -> Any:
     return None
 
 
-def _serve_worker_metrics(settings: Settings, port: int | None, *, prefork: bool) -> None:
+def _serve_worker_metrics(settings: Settings, port: int | None, *, prefork: bool) -> int | None:
     """Serve this worker's metrics on the port asked for or the next free one (several workers
-    share a host); a metrics failure is a warning, never the worker's end."""
+    share a host); a metrics failure is a warning, never the worker's end. The port it serves on."""
     log = logging.getLogger("worker.metrics")
     log.setLevel(min(log.getEffectiveLevel(), logging.INFO))  # the "metrics on :PORT" line
     try:
@@ -304,8 +388,8 @@ def _serve_worker_metrics(settings: Settings, port: int | None, *, prefork: bool
 
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="visbatch-metrics-")
         from worker import metrics
-        from worker.drivers.celery_app import QUEUES
-        from worker.drivers.consumers import queue_depths
+        from worker.drivers.fleet.celery_app import QUEUES
+        from worker.drivers.fleet.consumers import queue_depths
 
         wanted = settings.metrics_port if port is None else port
         collectors = [
@@ -315,24 +399,27 @@ def _serve_worker_metrics(settings: Settings, port: int | None, *, prefork: bool
         server = metrics.serve(wanted, collectors=collectors, span=metrics.PORT_SPAN)
     except Exception as exc:
         log.warning("metrics off: %s: %s (the worker runs without them)", type(exc).__name__, exc)
-        return
-    if port is not None and server.server_port != port:
+        return None
+    if port is not None and port != 0 and server.server_port != port:
         log.warning("--metrics-port %d is in use: metrics on :%d instead", port, server.server_port)
+    return int(server.server_port)
 
 
 @app.command()
 def status(
     job: JobId, as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False
 ) -> None:
-    """A job's state, counters and every error: the source, the page (from 1) or frame time, and
-    the prompt it concerns."""
-    from storage import repository as repo
+    """Show a job's state, counters and every error.
+
+    Each error names the source, the page (from 1) or frame time, and the prompt it concerns."""
+    # storage.jobs itself, not the repository facade: no claims, sources or units to import.
+    from storage.jobs import job_summary
     from worker.drivers.job_activity import job_activity
 
-    rt = make_runtime(None)
-    summary = repo.job_summary(rt.db, job)
+    settings = Settings()
+    summary = job_summary(stored_database(settings), job)
     # Stalled, waiting for a worker, or interrupted (its process is gone).
-    summary["activity"] = job_activity(rt.settings, summary)
+    summary["activity"] = job_activity(settings, summary)
     if as_json:
         # Plain print: machine-readable output must not be wrapped or styled.
         print(json.dumps(summary, default=str, indent=2))
@@ -343,10 +430,22 @@ def status(
 @app.command()
 def results(
     job: JobId,
-    fmt: Annotated[str, typer.Option("--format", metavar="FORMAT", help="jsonl, csv or parquet.")] = "jsonl",
+    fmt: Annotated[
+        str | None,
+        typer.Option(
+            "--format",
+            metavar="FORMAT",
+            help="jsonl, csv or parquet (default: the -o FILE's extension, else jsonl).",
+        ),
+    ] = None,
     output: Annotated[
         Path | None,
-        typer.Option("--output", "-o", metavar="FILE", help="File (default: stdout; parquet needs one)."),
+        typer.Option(
+            "--output",
+            "-o",
+            metavar="FILE",
+            help="File (default: stdout); its extension, .jsonl .csv or .parquet, is the format.",
+        ),
     ] = None,
     by_document: Annotated[
         Path | None,
@@ -358,55 +457,57 @@ def results(
         ),
     ] = None,
 ) -> None:
-    """Every answer with its source, page number (from 1) or timestamp, and prompt text; jsonl
-    and csv stream to stdout, parquet needs -o FILE."""
-    from storage import repository as repo
+    """Write a job's answers as JSON lines, CSV or Parquet.
+
+    Every answer with its source, page number (from 1) or timestamp, and prompt text; jsonl and
+    csv stream to stdout; -o FILE writes the format its extension names."""
+    from storage.jobs import job_summary
+    from storage.results import iter_results
     from worker.results_export import (
-        FORMATS,
         export_records,
+        output_format,
         write_by_document,
         write_csv,
+        write_file,
         write_jsonl,
-        write_parquet,
     )
 
-    if fmt not in FORMATS:
-        raise UserError(f"--format {fmt}: not a format", f"use {', '.join(FORMATS)}")
+    fmt = output_format(output, fmt)
     if fmt == "parquet" and output is None and by_document is None:
         raise UserError("--format parquet writes a file", "add -o FILE (e.g. -o answers.parquet)")
-    rt = make_runtime(None)
-    summary = repo.job_summary(rt.db, job, max_errors=0)
+    db = stored_database(Settings())
+    summary = job_summary(db, job, max_errors=0)
     prompts = list(summary["spec"].get("prompts") or [])
-    records = export_records(repo.iter_results(rt.db, summary["id"]), prompts)
+    records = export_records(iter_results(db, summary["id"]), prompts)
     if by_document is not None:
         as_json = summary["spec"].get("json_schema") is not None
         written = write_by_document(records, by_document, prompts, as_json=as_json)
         kind = "JSON" if as_json else "Markdown"
         console.print(f"wrote {len(written)} {kind} file(s), one per source, to {by_document}")
         return
-    if fmt == "parquet":
-        assert output is not None
-        count = write_parquet(records, output)
-    else:
-        writer = write_csv if fmt == "csv" else write_jsonl
-        with contextlib.ExitStack() as stack:
-            handle = stack.enter_context(open(output, "w", newline="")) if output else sys.stdout
-            count = writer(records, handle)
     if output is not None:
-        console.print(f"wrote {count} answer(s) to {output}")
+        count = write_file(records, output, fmt)
+        console.print(f"wrote {count} answer(s) to {output} ({fmt})")
+    else:
+        (write_csv if fmt == "csv" else write_jsonl)(records, sys.stdout)
     for key, value in token_lines(summary.get("tokens")):  # stderr: the records stay clean on stdout
         console.print(f"{key}: {value}")
 
 
 @app.command()
-def jobs(limit: Annotated[int, typer.Option(metavar="N", help="How many, newest first.")] = 20) -> None:
-    """Recent jobs: status, when, and how many pages/frames, answers and errors."""
+def jobs(
+    limit: Annotated[int, typer.Option(metavar="N", min=1, help="How many, newest first.")] = 20,
+) -> None:
+    """List recent jobs with their counts.
+
+    Each job's status, when it was made, and how many sources, pages/frames, answers and
+    errors it has."""
     from rich.table import Table
 
-    from storage import repository as repo
+    from storage.jobs import list_jobs
     from worker.drivers.job_activity import shown_status
 
-    rt = make_runtime(None)
+    db = stored_database(Settings())
     # No borders, nothing cut: fits 80 columns with a 12-digit id (any unique prefix works).
     table = Table(box=None, pad_edge=False, show_edge=False)
     for name in ("id", "status", "created (UTC)", "sources", "pages", "answers", "errors"):
@@ -416,7 +517,7 @@ def jobs(limit: Annotated[int, typer.Option(metavar="N", help="How many, newest 
             justify="right" if name in ("sources", "pages", "answers", "errors") else "left",
         )
     interrupted: list[str] = []
-    for item in repo.list_jobs(rt.db, limit=limit):
+    for item in list_jobs(db, limit=limit):
         shown = shown_status(item)
         if shown == "interrupted":
             interrupted.append(item["id"][:12])
@@ -437,22 +538,29 @@ def jobs(limit: Annotated[int, typer.Option(metavar="N", help="How many, newest 
 
 _register_review(app)
 _register_purge(app)
+_register_workers(app)
 
 
 @model_app.command("tiny")
 def model_tiny(
     out_dir: Annotated[Path, typer.Argument(metavar="DIR", help="Folder to write the model into.")],
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[
+        int,
+        typer.Option(metavar="N", min=0, help="Seed of the random weights (the same seed, the same model)."),
+    ] = 0,
     family: Annotated[
         str,
         typer.Option(
+            metavar="FAMILY",
             help="qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3-vl-moe, idefics3, internvl or llava-onevision "
-            "(or qwen3_vl, ...)."
+            "(or qwen3_vl, ...).",
         ),
     ] = "qwen2_vl",
 ) -> None:
-    """Write a tiny RANDOM model of a supported family that loads offline (for tests and demos;
-    its answers are meaningless)."""
+    """Write a tiny random model, for tests and demos.
+
+    A model of a supported family that loads offline, with RANDOM weights: its answers are
+    meaningless."""
     from worker.models.tiny import normalize_family, write_tiny_model
 
     try:
@@ -470,8 +578,9 @@ def model_use(
         str, typer.Argument(metavar="ID|DIR", help="Hub id (Qwen/Qwen2-VL-2B-Instruct) or model folder.")
     ],
 ) -> None:
-    """Make this model the default of the commands run here ($VISBATCH_HOME/config.json);
-    VISBATCH_MODEL and --model still win."""
+    """Make a model the default of the commands run here.
+
+    Recorded in $VISBATCH_HOME/config.json; VISBATCH_MODEL and --model still win."""
     from visbatch.settings import write_home_config
     from worker.runtime import resolve_model_name
 
@@ -485,7 +594,7 @@ def model_use(
 
 @model_app.command("show")
 def model_show() -> None:
-    """The model a command uses here, and where that choice comes from."""
+    """Show the model the commands use here, and why that one."""
     settings = Settings()
     origin = settings.model_origin
     print(settings.model)
@@ -494,7 +603,9 @@ def model_show() -> None:
 
 @db_app.command("upgrade")
 def db_upgrade() -> None:
-    """Apply the database migrations (SQLite or PostgreSQL from VISBATCH_DATABASE_URL)."""
+    """Apply the database migrations.
+
+    To the SQLite file under $VISBATCH_HOME, or the database of VISBATCH_DATABASE_URL."""
     from storage.db import Database
 
     db = Database(Settings().sqlalchemy_url())

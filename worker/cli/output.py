@@ -30,11 +30,19 @@ def token_lines(tokens: dict | None) -> list[tuple[str, str]]:
     if not tokens:
         return []
     spent, saved = tokens["spent"], tokens["saved"]
+    # What went through the tower (or came from the cache); a stopped job's pages+frames split but
+    # not encoded yet are planned, not spent (storage.token_report).
+    later = ""
+    if tokens.get("units_not_encoded"):
+        later = (
+            f"; {tokens['visual_not_encoded']:,} more planned for the "
+            f"{tokens['units_not_encoded']:,} not encoded yet"
+        )
     lines = [
         (
             "tokens",
-            f"visual {spent['visual']:,} for the pages+frames ({spent['visual_to_lm']:,} to the LM over "
-            f"all prompts), prompt {spent['prompt']:,}, completion {spent['completion']:,}",
+            f"visual {spent['visual']:,} for the pages+frames encoded ({spent['visual_to_lm']:,} to the "
+            f"LM over all prompts), prompt {spent['prompt']:,}, completion {spent['completion']:,}{later}",
         )
     ]
     if any(saved.values()):
@@ -81,6 +89,17 @@ def shown_path(uri: str) -> str:
     except (ValueError, OSError):
         pass
     return uri
+
+
+def model_origin(settings: Any, explicit: str | None) -> str:
+    """Where a command's model comes from, as its `model: X (from ...)` line says it: --model,
+    VISBATCH_MODEL, the config.json of `visbatch model use`, or the built-in default."""
+    if explicit:
+        return "--model"
+    origin = settings.model_origin
+    if origin == "default":
+        return "the built-in default; `visbatch model use` changes it"
+    return origin if origin == "VISBATCH_MODEL" else shown_path(origin)
 
 
 class LineProgress:
@@ -242,22 +261,30 @@ def summary_lines(s: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def timing_lines(timing: dict | None, *, eta: bool = True) -> list[tuple[str, str]]:
-    """Wall time, time to the first result, each stage's busy time, pages (units) per second,
-    and (`eta`) a running job's rate and time left."""
+    """Wall time (and, for a resumed job, the time since the resume), time to the first result,
+    pages+frames answered per second, each stage's busy time, and (`eta`) a running job's rate
+    and time left (storage.jobs._timing says what each counts)."""
     if not timing or timing.get("wall_seconds") is None:
         return []
     busy = timing["busy_seconds"]
     took = [f"wall {timing['wall_seconds']:.1f} s"]
+    resumed = timing.get("since_resume_seconds") is not None
+    if resumed:
+        took.append(f"{timing['since_resume_seconds']:.1f} s since the last resume")
     if timing.get("first_result_seconds") is not None:
         took.append(f"first result after {timing['first_result_seconds']:.1f} s")
-    if timing.get("units_per_second"):
-        took.append(f"{timing['units_per_second']:.2f} pages+frames/s")
+    if timing.get("answered_units_per_second") is not None:
+        took.append(f"{timing['answered_units_per_second']:.2f} pages+frames answered/s")
     lines = [("time", ", ".join(took))]
-    if busy:  # each stage's working time (a stage's includes loading what it needs: the model)
-        lines.append(("busy", ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in busy.items())))
+    if busy:
+        # Each stage's working time (a stage's includes loading what it needs: the model), summed
+        # over every thread and process that worked on it: several at once exceed the wall time.
+        stages = ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in busy.items())
+        lines.append(("busy", f"{stages} (summed over threads and processes)"))
     if eta and timing.get("eta_seconds") is not None:  # a running job: its rate so far, and time left at it
-        lines.append(("rate, time left", f"{timing['rate_units_per_second']:.2f} pages+frames/s, "
-                      f"about {timing['eta_seconds']:.0f} s at that rate"))  # fmt: skip
+        since = " since the resume" if resumed else ""
+        lines.append(("rate, time left", f"{timing['rate_units_per_second']:.2f} pages+frames answered/s"
+                      f"{since}, about {timing['eta_seconds']:.0f} s at that rate"))  # fmt: skip
     return lines
 
 

@@ -10,10 +10,13 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from visbatch.settings import Settings
-from worker.cli.output import is_terminal
+from worker.cli.main import console
+from worker.cli.output import is_terminal, model_origin
 from worker.errors import UserError
 from worker.options import DEFAULT_PLAN_PROMPT, JobOptions, job_options
 from worker.planning.fleet_sizing import S3_USD_PER_1000_GET, S3_USD_PER_1000_PUT, S3_USD_PER_GB_MONTH
@@ -59,25 +62,30 @@ def plan(
         typer.Option(metavar="RATE", help="GPU throughput: '20000' or '20000tok/s' (prefill+decode tokens), "
                      "or '3pages/s'. No default: measure yours."),
     ] = None,
-    gpu_cost_per_hour: Annotated[float | None, typer.Option(metavar="USD", help="USD per GPU-hour.")] = None,
+    gpu_cost_per_hour: Annotated[
+        float | None, typer.Option(metavar="USD", min=0, help="USD per GPU-hour (with --throughput).")
+    ] = None,
     deadline: Annotated[
         str | None,
         typer.Option(metavar="DURATION", help="Finish within this ('24h', '90m', '2d'): GPUs needed, "
                      "and the hot cache they need."),
     ] = None,
     s3_gb_month: Annotated[
-        float, typer.Option(metavar="USD", help="S3 storage price per GB-month (AWS S3 Standard list price).")
+        float,
+        typer.Option(metavar="USD", min=0, help="S3 storage price per GB-month (AWS S3 Standard list)."),
     ] = S3_USD_PER_GB_MONTH,
     s3_put_1000: Annotated[
-        float, typer.Option(metavar="USD", help="S3 price per 1,000 PUT requests (AWS S3 Standard).")
+        float, typer.Option(metavar="USD", min=0, help="S3 price per 1,000 PUT requests (AWS S3 Standard).")
     ] = S3_USD_PER_1000_PUT,
     s3_get_1000: Annotated[
-        float, typer.Option(metavar="USD", help="S3 price per 1,000 GET requests (AWS S3 Standard).")
+        float, typer.Option(metavar="USD", min=0, help="S3 price per 1,000 GET requests (AWS S3 Standard).")
     ] = S3_USD_PER_1000_GET,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
 ) -> None:  # fmt: skip
-    """Tokens, KV-cache bytes, GPU time and cost of a job, from the inputs and the model's config
-    and processor only: no GPU, no weights, nothing rendered or decoded (one frame per video)."""
+    """Estimate a job's tokens, KV cache, GPU time and cost.
+
+    From the inputs and the model's config and processor only: no GPU, no weights, nothing
+    rendered or decoded (one frame per video)."""
     # Imported here: the survey needs PyMuPDF and PyAV, which other commands should not pay for.
     from ingest.limits import Limits
     from worker.cli.inputs import chosen_files
@@ -99,13 +107,13 @@ def plan(
             deadline_s = parse_duration(deadline)
         except ValueError as exc:
             raise UserError(f"--deadline {deadline}: {exc}", "e.g. --deadline 24h") from None
-    if min(s3_gb_month, s3_put_1000, s3_get_1000) < 0:
-        raise UserError("S3 prices cannot be negative")
     given = (s3_gb_month, s3_put_1000, s3_get_1000)
     defaults = (S3_USD_PER_GB_MONTH, S3_USD_PER_1000_PUT, S3_USD_PER_1000_GET)
     prices = S3Prices(*given) if given == defaults else S3Prices(*given, source="given on the command line")
     files = chosen_files(paths, job)
     model = job.model or settings.model
+    # As `run` says it (stderr: stdout keeps the plan): which model, and why that one.
+    console.print(f"model: {escape(model)} (from {escape(model_origin(settings, job.model))})")
     try:
         plan_model = load_plan_model(model, settings.model_revision)
     except (OSError, ValueError) as exc:
@@ -129,19 +137,32 @@ def plan(
         print_plan(result)
 
 
-def print_plan(result: Plan) -> None:
-    out = Console(soft_wrap=not is_terminal(sys.stdout), highlight=False)
-    table = Table("source", "kind", "pages/frames", "visual tokens", "prompt tokens", "KV / request")
+def plan_table(result: Plan) -> Table:
+    """The plan per source, whole at 80 columns: no borders, headers on two lines, figures never
+    cut (a long file name wraps in its column); a source that cannot be read says why below."""
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    table.add_column("source", overflow="fold")
+    table.add_column("kind", no_wrap=True)
+    for name in ("pages+\nframes", "visual\ntokens", "prompt\ntokens", "KV per\nrequest"):
+        table.add_column(name, justify="right", no_wrap=True)
     for s in [*result.sources, result.total]:
         name = s.source if s.source == "total" else Path(s.source).name
         if s.error:
-            table.add_row(name, s.kind or "?", "-", "-", "-", f"error: {s.error}")
+            table.add_row(Text(name), s.kind or "?", "-", "-", "-", "error")
             continue
         table.add_row(
-            name, s.kind or "", f"{s.units:,}", f"{s.visual_tokens:,}", f"{s.prompt_tokens:,}",
+            Text(name), s.kind or "", f"{s.units:,}", f"{s.visual_tokens:,}", f"{s.prompt_tokens:,}",
             _gib(s.kv_bytes_per_request),
         )  # fmt: skip
-    out.print(table)
+    return table
+
+
+def print_plan(result: Plan) -> None:
+    out = Console(soft_wrap=not is_terminal(sys.stdout), highlight=False)
+    out.print(plan_table(result))
+    for s in result.sources:
+        if s.error:
+            out.print(Text(f"error: {Path(s.source).name}: {s.error}"))
     detail = result.detail or "model default"
     bounds = result.bounds
     out.print(

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import re
 from datetime import timedelta
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from worker.errors import UserError
+
+if TYPE_CHECKING:
+    from storage.retention import Purged
 
 _AGE = re.compile(r"(\d+)\s*([smhdw])")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
@@ -25,6 +28,25 @@ def parse_age(text: str) -> timedelta:
     if not match:
         raise ValueError(f"{text!r} is not an age: a number and one of s, m, h, d, w (e.g. 30d)")
     return timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+
+
+def kept_lines(done: Purged) -> list[str]:
+    """Why the cached entries that stay stay: a queued or running job uses or will use them (each
+    such job named, with how many it needs), or a finished job that stays names them."""
+    lines = []
+    if done.entries_kept_live:
+        jobs = sorted(done.kept_for, key=lambda j: (-done.kept_for[j], j))
+        if len(jobs) == 1:
+            whose = f"{done.live_status[jobs[0]]} job {jobs[0][:12]} uses or will use"
+        else:
+            each = ", ".join(f"{done.live_status[j]} {j[:12]} ({done.kept_for[j]:,})" for j in jobs)
+            whose = f"{len(jobs)} queued or running jobs use or will use: {each}"
+        lines.append(f"kept {done.entries_kept_live:,} cached token entries that {whose}")
+    if done.entries_kept_shared:
+        lines.append(
+            f"kept {done.entries_kept_shared:,} cached token entries that finished jobs not purged use"
+        )
+    return lines
 
 
 def purge(
@@ -46,8 +68,10 @@ def purge(
         bool, typer.Option("--keep-cache", help="Leave the cached visual tokens alone (rows only).")
     ] = False,
 ) -> None:
-    """Delete finished jobs with their results, pages/frames, sources and the cached visual tokens
-    no remaining job uses (running jobs are never purged). In batches: no long lock."""
+    """Delete finished jobs and the cached tokens no other job uses.
+
+    A job's results, pages/frames and sources, and the cached visual tokens no remaining job uses
+    (running jobs are never purged). In batches: no long lock."""
     from rich.console import Console
     from rich.table import Table
 
@@ -69,7 +93,7 @@ def purge(
             before = utcnow() - parse_age(older_than)
         except ValueError as exc:
             raise UserError(f"--older-than {exc}") from None
-    rt = Runtime(Settings(), model=None)
+    rt = Runtime(Settings(), model=None, existing_db=True)  # nothing to purge in a database not there
     try:
         candidates = retention.find_purgeable(rt.db, before=before, job=job)
     except retention.JobRunning as exc:
@@ -94,8 +118,11 @@ def purge(
         f"{sum(c.units for c in candidates):,} pages/frames, {sum(c.results for c in candidates):,} answers"
     )
     if dry_run:
-        entries = "kept (--keep-cache)" if keep_cache else f"{retention.orphaned_entries(rt.db, ids):,}"
-        console.print(f"would delete {totals}; cached token entries no other job uses: {entries}")
+        entries = None if keep_cache else retention.preview_entries(rt.db, ids)
+        count = "kept (--keep-cache)" if entries is None else f"{entries.cache_entries:,}"
+        console.print(f"would delete {totals}; cached token entries no other job uses: {count}")
+        for line in kept_lines(entries) if entries is not None else []:
+            console.print(line)
         console.print("(dry run: nothing deleted)")
         return
     deleter = None if keep_cache else retention.cache_deleter(rt.cache)
@@ -110,6 +137,8 @@ def purge(
         f"deleted {total.jobs} job(s): {total.sources:,} sources, {total.units:,} pages/frames, "
         f"{total.results:,} answers, {total.cache_entries:,} cached token entries"
     )
+    for line in kept_lines(total):
+        console.print(line)
 
 
 def register(app: typer.Typer) -> None:

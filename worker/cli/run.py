@@ -19,9 +19,9 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from worker.cli.inputs import check_readable, chosen_files
+from worker.cli.inputs import check_readable, chosen_files, unreadable_lines
 from worker.cli.main import JobId, console, make_runtime
-from worker.cli.output import print_preview, print_summary, progress_display, shown_path
+from worker.cli.output import model_origin, print_preview, print_summary, progress_display
 from worker.cli.plan import plan
 from worker.errors import (
     EXIT_FAILED,
@@ -41,19 +41,10 @@ Paths = Annotated[
 ]
 
 
-def _model_origin(rt: Any, explicit: str | None) -> str:
-    if explicit:
-        return "--model"
-    origin = rt.settings.model_origin
-    if origin == "default":
-        return "the built-in default; `visbatch model use` changes it"
-    return origin if origin == "VISBATCH_MODEL" else shown_path(origin)
-
-
 def _prepare_model(rt: Any, explicit: str | None, *, origin: str | None = None, weights: bool = True) -> None:
     """Say which model the command uses, and fail in seconds, with the fix, when it cannot be
     had: the token rule (its small JSON files) first, then the weights."""
-    origin = origin or _model_origin(rt, explicit)
+    origin = origin or model_origin(rt.settings, explicit)
     console.print(f"model: {escape(rt.model_name)} (from {escape(origin)})")
     # Loading bars of the hub and transformers are noise in a log; the model line says what loads.
     # (Read when huggingface_hub is imported: before the token rule below imports it.)
@@ -107,11 +98,13 @@ def _exit_now(run: Any, signum: int, ended: bool, *, second: bool) -> None:
     if job_id is not None and not ended:
 
         def cancel() -> None:
-            from storage.jobs import cancel_if_running
+            from storage.leases import end_held, release_lease
 
             with contextlib.suppress(Exception):
                 reason = f"interrupted by a {by}, at once; finished work is kept"
-                cancel_if_running(run.rt.db, job_id, reason)
+                # Only while this run holds the job; let go, so a resume need not wait it out.
+                end_held(run.rt.db, job_id, run.lease.holder, "cancelled", reason)
+                release_lease(run.rt.db, job_id, run.lease.holder)
 
         writer = threading.Thread(target=cancel, name="last-write", daemon=True)
         writer.start()
@@ -162,6 +155,46 @@ def _stop_on_signals(run: Any) -> Iterator[_Signals]:
             signal.signal(sig, old)
 
 
+CANCEL_POLL_S = 1.0  # how often a run looks whether `visbatch cancel` stopped its job
+
+
+@contextlib.contextmanager
+def _stop_when_cancelled(run: Any) -> Iterator[None]:
+    """`visbatch cancel JOB` from another terminal stops this run, whatever it is doing.
+
+    The generate loop looks at its jobs only while it has requests in flight: a run that is
+    splitting, loading the model or encoding (its first answers can be a batch or more away)
+    went on until then, and one more vision-tower batch. Here the job's row is read every
+    CANCEL_POLL_S from the start; a cancel then stops the run as Ctrl-C does, within the poll
+    and the batch in flight. Only `cancelled` counts: the run's own end (succeeded, partial,
+    failed) is no stop."""
+    import threading
+
+    from storage.jobs import job_state
+
+    ended = threading.Event()
+
+    def watch() -> None:
+        while not ended.wait(CANCEL_POLL_S):
+            job_id = run.job_id
+            if job_id is None or run.stop.is_set():
+                continue
+            try:
+                state = job_state(run.rt.db, job_id)
+            except Exception:  # noqa: BLE001 - the database away: the run says so itself; look again
+                continue
+            if state is not None and state[0] == "cancelled" and not ended.is_set():
+                run.request_stop("cancelled from another process")
+
+    watcher = threading.Thread(target=watch, name="cancel-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        ended.set()
+        watcher.join(timeout=CANCEL_POLL_S + 5)
+
+
 def _exit_for(status: str) -> None:
     if status != "succeeded":
         raise typer.Exit(EXIT_PARTIAL if status == "partial" else EXIT_FAILED)
@@ -169,7 +202,7 @@ def _exit_for(status: str) -> None:
 
 def _results_hint(job_id: str) -> str:
     return (
-        f"all answers: visbatch results {job_id}  (--format csv|parquet -o FILE, "
+        f"all answers: visbatch results {job_id}  (-o FILE.csv|.parquet|.jsonl, "
         f"--by-document DIR; status: visbatch status {job_id})"
     )
 
@@ -189,7 +222,12 @@ def _print_answers(rt: Any, job_id: str, summary: dict[str, Any]) -> None:
 
 MetricsPort = Annotated[
     int | None,
-    typer.Option(metavar="PORT", help="Serve Prometheus metrics of this run on PORT (off by default)."),
+    typer.Option(
+        metavar="PORT",
+        min=1,
+        max=65535,
+        help="Serve Prometheus metrics of this run on PORT (off by default).",
+    ),
 ]
 
 
@@ -210,7 +248,7 @@ def _run_embedded(rt: Any, start: Any, metrics_port: int | None = None) -> None:
     embedded = EmbeddedRun(rt)
     # The signal handlers last until the summary is out: a second Ctrl-C there still names the job.
     with _stop_on_signals(embedded) as signals:
-        with progress_display(console) as progress:
+        with progress_display(console) as progress, _stop_when_cancelled(embedded):
             embedded.progress = progress
             if metrics_port is not None:
                 from worker import metrics
@@ -232,6 +270,12 @@ def _run_embedded(rt: Any, start: Any, metrics_port: int | None = None) -> None:
             f"this run: {done['split']} pages/frames split, {done['tower_images']} images through the "
             f"vision tower, {done['answers']} answers generated"
         )
+        if embedded.lease.lost:  # another run holds the job now: it goes on there, not cancelled
+            console.print(
+                f"stopped: {escape(embedded.stop_reason or 'the job was taken over')} (this run paused "
+                f"longer than its lease); it continues there: visbatch status {job['id']}"
+            )
+            raise typer.Exit(EXIT_INTERRUPTED)
         if embedded.stop_reason is not None:
             console.print(
                 f"stopped: job {job['id']} cancelled ({escape(embedded.stop_reason)}); finished work is "
@@ -245,12 +289,17 @@ def _run_embedded(rt: Any, start: Any, metrics_port: int | None = None) -> None:
 @app.command()
 @job_options()
 def run(paths: Paths, job: JobOptions, metrics_port: MetricsPort = None) -> None:
-    """Run a job in this process (embedded shape). Prints the job id on stdout first; progress,
-    the summary and the first answers go to stderr. Exit 0 when every page/frame was answered,
-    1 partial, 2 bad input, 3 failed, 4 model or database unavailable, 130 interrupted."""
+    """Run a job in this process and wait for its answers.
+
+    Prints the job id on stdout first; progress, the summary and the first answers go to stderr.
+    Exit 0 when every page/frame was answered, 1 partial, 2 bad input, 3 failed, 4 model or
+    database unavailable, 130 interrupted."""
     spec = job.spec()
     files = chosen_files(paths, job)
-    check_readable(files)
+    # Named at once, not in the summary after the model's load and the run: the job goes on
+    # with the others (docs/cli.md), these become its failed sources.
+    for line in unreadable_lines(check_readable(files), len(files)):
+        console.print(escape(line), highlight=False)
     rt = make_runtime(job.model)
     rt.db  # noqa: B018 - the database reachable and migrated before the model's seconds of loading
     _prepare_model(rt, job.model)
@@ -259,10 +308,21 @@ def run(paths: Paths, job: JobOptions, metrics_port: MetricsPort = None) -> None
 
 @app.command()
 def resume(job: JobId, metrics_port: MetricsPort = None) -> None:
-    """Continue a stopped job (cancelled, interrupted, failed or partial) in place: no page
-    rendered or image encoded twice, only the missing answers generated."""
-    from storage import repository as repo
+    """Continue a stopped job in place; nothing is done twice.
 
+    A cancelled, interrupted, failed or partial job: no page rendered or image encoded twice,
+    only the missing answers generated. A job whose run is still alive (in another terminal,
+    container or host: its lease is live) is refused, exit 2."""
+    from storage import repository as repo
+    from storage.db import Database
+    from visbatch.settings import Settings
+
+    # A job to resume is in a database that exists: in a folder without one, exit 4 naming where
+    # it looked, and nothing created. One of an older visbatch is migrated (resume writes).
+    found = Database(Settings().sqlalchemy_url(), create=False)
+    if found.current_revision() is None:
+        found.require_schema()  # no visbatch tables: DatabaseNotReady, exit 4
+    found.dispose()
     rt = make_runtime(None)
     full_id = repo.resolve_job_id(rt.db, job)
     state = repo.job_state(rt.db, full_id)
@@ -271,6 +331,12 @@ def resume(job: JobId, metrics_port: MetricsPort = None) -> None:
         raise UserError(
             f"job {full_id} succeeded: nothing to resume", f"its answers: visbatch results {full_id}"
         )
+    from storage.leases import read_lease
+    from worker.drivers.run_lease import refuse_if_alive
+
+    lease = read_lease(rt.db, full_id)
+    if lease.holder is not None:
+        refuse_if_alive(lease)  # at once, before the model's seconds of loading; touches nothing
     model = state[1].get("model")
     rt = make_runtime(model)
     # The model is the job's own (its spec), else this folder's choice: never "--model", which
@@ -293,14 +359,19 @@ def submit(
     job: JobOptions,
     wait: Annotated[bool, typer.Option("--wait", help="Show progress until the job ends.")] = False,
 ) -> None:
-    """Send a job to the fleet (Celery workers); prints its id. Local files are uploaded to the store."""
-    from worker.drivers.submit import missing_workers_warning, submit_job
+    """Send a job to the fleet (Celery workers) and print its id.
+
+    Local files are uploaded to the object store. The broker is checked first: when it cannot
+    be reached, no job is made (exit 4)."""
+    from worker.drivers.fleet.submit import missing_workers_warning, submit_job
 
     spec = job.spec()
     local = [Path(item) for item in inputs if not item.startswith("s3://")]
     files = [str(path) for path in chosen_files(local, job)] if local else []
     remote = [item for item in inputs if item.startswith("s3://")]
     rt = make_runtime(job.model)
+    rt.db  # noqa: B018 - the database reachable and migrated (and said where, when made) first
+    _check_broker()
     job_id = submit_job(rt, files + remote, spec)
     print(job_id, flush=True)
     warning = missing_workers_warning(rt.settings)
@@ -312,8 +383,31 @@ def submit(
         console.print(f"follow it: visbatch status {job_id}; answers: visbatch results {job_id}")
 
 
+BROKER_CHECK_S = 3.0
+
+
+def _check_broker() -> None:
+    """Reach the broker before the job is made, through the Celery app's own connection (its URL
+    and transport): one that is down is exit 4 with nothing made, not a `failed` job whose id was
+    never printed (submit_job enqueues after it has written the job's rows)."""
+    from worker.drivers.fleet.tasks import ingest_source
+    from worker.errors import explain
+
+    try:
+        with ingest_source.app.connection_for_write() as connection:
+            connection.ensure_connection(
+                max_retries=1, interval_start=0, interval_step=0, interval_max=0, timeout=BROKER_CHECK_S
+            )
+    except Exception as exc:
+        error = explain(exc)  # kombu's: "cannot reach the broker URL: ...", exit 4
+        if error is None:
+            raise
+        fix = f"{error.fix}; no job was made: submit again then"
+        raise UserError(error.message, fix, error.code) from exc
+
+
 def _wait(rt: Any, job_id: str) -> None:
-    from worker.drivers.submit import wait_for_job
+    from worker.drivers.fleet.submit import wait_for_job
 
     with progress_display(console) as progress:
 
@@ -347,15 +441,18 @@ def ingest(
         typer.Option(min=1, metavar="N", help="Processes rendering a PDF's pages (default: the CPU cores)."),
     ] = None,
 ) -> None:
-    """Split sources into page and frame images (PNG) and a manifest.jsonl: the ingest stage alone.
-    No GPU, no weights; visual-token counts when a model is named (--model or VISBATCH_MODEL).
+    """Split sources into page and frame images, with no model.
+
+    The ingest stage alone: PNGs and a manifest.jsonl. No GPU, no weights; visual-token counts
+    when a model is named (--model or VISBATCH_MODEL).
 
     Exit 0 when every source and unit was written, 1 when some failed, 3 when none was, 2 for a
     usage error, 130 when interrupted (--out is then left as it was)."""
     from worker.cli.ingest import run_ingest
 
+    options = job.ingest()  # a refused value is named before any input is looked at, as in `run`
     files = chosen_files(paths, job)
-    run_ingest(files, out_dir, job.model, job.ingest(), processes=processes, overwrite=overwrite)
+    run_ingest(files, out_dir, job.model, options, processes=processes, overwrite=overwrite)
 
 
 app.command("plan")(plan)

@@ -17,7 +17,6 @@ A stop (SIGINT/SIGTERM, see `stop`) aborts what is in flight at once and ends th
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import queue
 import threading
@@ -27,25 +26,29 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from ingest.spec import JobSpec
 from ingest.stage import expand_paths
 from ingest.units import UnitSelection
 from storage import repository as repo
+from storage.leases import end_held
 from storage.models import FINISHED_JOB_STATUSES, UnitStatus
 from storage.rows import UnitTask
+from worker.drivers.run_lease import RunLease
 from worker.retry import describe
 from worker.runtime import Runtime
 from worker.stages.encode import encode_units
-from worker.stages.encode import give_up as give_up_encode
+from worker.stages.failures import ENCODE, GENERATE, INGEST, SourceWork
 from worker.stages.generate import GenerateService, JobUnits
-from worker.stages.generate import give_up as give_up_generate
 from worker.stages.ingest import IngestStep, ingest_source, local_copy
-from worker.stages.ingest import give_up as give_up_ingest
+from worker.stages.runner import Retry, Stage, Stopped, UnitsWork, after_failure, run_tries
 from worker.stages.start import SourceInput, SourceToIngest, reopen_job, start_job
 
 log = logging.getLogger(__name__)
+
+W = TypeVar("W")
+T = TypeVar("T")
 
 ENCODE_WAIT_S = 0.05  # an encode batch waits at most this long to fill
 QUEUE_UNITS = 256  # units waiting between two stages, at most (bounds memory)
@@ -63,10 +66,6 @@ class NullProgress:
 
     def note(self, message: str) -> None:
         log.info(message)
-
-
-class Stopped(Exception):
-    """The run was asked to stop."""
 
 
 @dataclass
@@ -106,37 +105,48 @@ class EmbeddedRun:
         self._depths: dict[str, Callable[[], int]] = {}
         self.answers = 0  # answers this run stored
         self.job_id: str | None = None  # once known: a second Ctrl-C still names it
+        # Held from before any work to after the job's last write (worker.drivers.run_lease).
+        self.lease = RunLease(rt.db, rt.settings.lease_s, on_lost=self.request_stop)
 
     # --- entry points ----------------------------------------------------------------------------
 
     def run(self, paths: list[Path], spec: JobSpec, on_job: Callable[[str], None] | None = None) -> str:
         """Create a job for `paths` and run it; `on_job` hears its id before any work starts."""
         job_id, sources = start_local_job(self.rt, paths, spec)
-        self._claim(job_id)
+        self.lease.take(job_id)
+        self.job_id = job_id
         if on_job is not None:
             on_job(job_id)
-        self.execute(job_id, spec, sources)
+        self._execute_held(job_id, spec, sources)
         return job_id
 
     def resume(self, job_id: str, on_job: Callable[[str], None] | None = None) -> str:
-        reopened, spec = reopen_job(self.rt, job_id)
-        self._claim(reopened.job_id)
+        """Continue a stopped job. A job whose run is alive (its lease is live: in another
+        terminal, container or host) is refused with LeaseHeld before anything is touched."""
+        full_id = repo.resolve_job_id(self.rt.db, job_id)
+        self.lease.take(full_id)
+        try:
+            reopened, spec = reopen_job(self.rt, full_id)
+        except BaseException:
+            self.lease.release()
+            raise
+        self.job_id = full_id
         if on_job is not None:
-            on_job(reopened.job_id)
+            on_job(full_id)
         sources = [SourceToIngest(sid, uri, uri) for sid, uri in reopened.sources]
-        pending = repo.units_in_state(self.rt.db, reopened.job_id, UnitStatus.PENDING)
-        encoded = repo.units_in_state(self.rt.db, reopened.job_id, UnitStatus.ENCODED)
-        self.execute(reopened.job_id, spec, sources, pending=pending, encoded=encoded, resuming=True)
-        return reopened.job_id
+        pending = repo.units_in_state(self.rt.db, full_id, UnitStatus.PENDING)
+        encoded = repo.units_in_state(self.rt.db, full_id, UnitStatus.ENCODED)
+        with self._counts.lock:  # progress reads `sources 3/3`, not `sources 0/0`
+            self._counts.sources_done = repo.count_sources(self.rt.db, full_id) - len(sources)
+        self._execute_held(full_id, spec, sources, pending=pending, encoded=encoded)
+        return full_id
 
-    def _claim(self, job_id: str) -> None:
-        """Record this process in the job row: a job whose process is gone (kill -9, a second
-        Ctrl-C, a closed lid) is then shown `interrupted`, not `running` (worker.drivers.job_activity)."""
-        from storage.jobs import record_process
-        from worker.drivers.job_activity import this_process
-
-        self.job_id = job_id
-        record_process(self.rt.db, job_id, this_process())
+    def _execute_held(self, job_id: str, spec: JobSpec, sources: list[SourceToIngest], **kw: Any) -> None:
+        """`execute` under the lease taken for it, let go however the run ends."""
+        try:
+            self.execute(job_id, spec, sources, **kw)
+        finally:
+            self.lease.release()
 
     def request_stop(self, reason: str) -> None:
         """Stop as soon as possible (any thread, e.g. a signal handler); the job ends cancelled."""
@@ -154,7 +164,6 @@ class EmbeddedRun:
         *,
         pending: list[UnitTask] | None = None,
         encoded: list[UnitTask] | None = None,
-        resuming: bool = False,
     ) -> None:
         rt = self.rt
         generate = GenerateService(
@@ -181,12 +190,10 @@ class EmbeddedRun:
             self._counts.encoded += len(encoded or [])
         try:
             if encoded:
-                future = generate.submit(JobUnits(encoded, spec))
-                future.add_done_callback(self._answered)
-                waits.append(future)
+                self._submit(generate, JobUnits(encoded, spec), waits)
             for start in range(0, len(pending or []), 64):
                 self._put(to_encode, (pending or [])[start : start + 64])
-            self._ingest_all(job_id, spec, sources, to_encode, resuming)
+            self._ingest_all(job_id, spec, sources, to_encode)
         except Stopped:
             pass
         except BaseException as exc:
@@ -221,17 +228,13 @@ class EmbeddedRun:
         spec: JobSpec,
         sources: list[SourceToIngest],
         to_encode: queue.Queue,
-        resuming: bool,
     ) -> None:
-        self.progress.update("sources", 0, len(sources))
+        before = self._counts.sources_done  # a resumed job's sources done by the run before
+        self.progress.update("sources", before, before + len(sources))
 
         def one(source: SourceToIngest) -> None:
             if self.stop.is_set():
                 return
-            # A resumed source renders only the pages it does not have yet.
-            skip = (
-                frozenset(repo.stored_unit_indexes(self.rt.db, source.source_id)) if resuming else frozenset()
-            )
 
             def on_units(units: list[UnitTask]) -> None:
                 with self._counts.lock:
@@ -241,25 +244,22 @@ class EmbeddedRun:
                     self._put(to_encode, units)
 
             def ingest() -> IngestStep:
+                # A resumed source, or a try after a failed one (a full disk), renders only the
+                # pages it does not have yet (a new source has none: one small read).
+                skip = frozenset(repo.stored_unit_indexes(self.rt.db, source.source_id))
                 with local_copy(self.rt, source.location) as path:
                     return ingest_source(
                         self.rt, job_id, source.source_id, source.uri, path, spec,
                         selection=UnitSelection(skip=skip), on_units=on_units, stop=self.stop,
                     )  # fmt: skip
 
-            try:
-                step = self.rt.retry.call(ingest, what=f"ingest {source.uri}", stop=self.stop)
-            except Exception as exc:
-                if self.stop.is_set():
-                    raise Stopped from exc
-                # As in the fleet: the source fails with the cause, the job goes on.
-                log.warning("ingest gave up on %s: %s", source.uri, describe(exc))
-                give_up_ingest(self.rt.db, source.source_id, exc, self.rt.retry.tries_spent(exc))
-                step = IngestStep()
+            work = SourceWork(job_id, source.source_id, source.location)
+            # Given up (None): the source failed with its cause, the job goes on.
+            step = self._tries(INGEST, work, ingest) or IngestStep()
             with self._counts.lock:
                 self._counts.sources_done += 1
                 self._counts.split += step.units_stored
-            self.progress.update("sources", self._counts.sources_done, len(sources))
+            self.progress.update("sources", self._counts.sources_done, before + len(sources))
 
         workers = max(1, min(self.rt.settings.ingest_workers, len(sources) or 1))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ingest") as pool:
@@ -267,6 +267,8 @@ class EmbeddedRun:
                 future.result()
         if self._failure is not None:
             raise self._failure
+        # Every source is split: the pages+frames count is a total now (the bar was `60/?`).
+        self.progress.update("units", self._counts.units, self._counts.units)
 
     def _encode_loop(
         self, spec: JobSpec, to_encode: queue.Queue, generate: GenerateService, waits: list[Future]
@@ -300,43 +302,65 @@ class EmbeddedRun:
     ) -> None:
         if self.stop.is_set():
             return
+        work = UnitsWork(units[0].job_id, [u.unit_id for u in units])
         try:
-            step = self.rt.retry.call(
-                lambda: encode_units(self.rt, units, spec.cache), what="encode", stop=self.stop
-            )
-        except Exception as exc:
-            if self.stop.is_set():
-                return
-            log.warning("encode gave up on %d units: %s", len(units), describe(exc))
-            give_up_encode(self.rt.db, [u.unit_id for u in units], exc, self.rt.retry.tries_spent(exc))
+            step = self._tries(ENCODE, work, lambda: encode_units(self.rt, units, spec.cache))
+        except Stopped:
+            return
+        if step is None:  # given up: the units failed with their cause
             return
         with self._counts.lock:
             self._counts.encoded += len(units)
         self.progress.update("encode", self._counts.encoded, self._counts.units)
         if step.encoded:
-            future = generate.submit(JobUnits(step.encoded, spec))
-            future.add_done_callback(functools.partial(self._answered, [u.unit_id for u in step.encoded]))
-            waits.append(future)
+            self._submit(generate, JobUnits(step.encoded, spec), waits)
 
-    def _answered(self, unit_ids: list[int], future: Future) -> None:
-        if future.cancelled():
-            return
-        error = future.exception()
-        if error is not None:
-            if self.stop.is_set():
+    def _submit(self, generate: GenerateService, units: JobUnits, waits: list[Future]) -> None:
+        """Hand encoded units to generation: units this run encoded, and those a resumed job had
+        encoded. What `waits` holds ends once they are answered, given up, or the run stops."""
+        settled: Future = Future()
+        waits.append(settled)
+        self._try_generate(generate, units, settled, 1)
+
+    def _try_generate(self, generate: GenerateService, units: JobUnits, settled: Future, tries: int) -> None:
+        """One try of generation; the runner decides what its failure means (a retry after a wait,
+        from a timer: the callback runs in the generate service's thread, which must not wait)."""
+        work = UnitsWork(units.units[0].job_id, [u.unit_id for u in units.units])
+
+        def done(future: Future) -> None:
+            error = None if future.cancelled() else future.exception()
+            if error is None:
+                if not future.cancelled():
+                    with self._counts.lock:
+                        self._counts.answered_units += future.result().stored
+                    self.progress.update("generate", self._counts.answered_units, self._counts.units)
+                settled.set_result(None)
                 return
-            # As in the fleet: the units fail with the cause, the job goes on; a database that
-            # cannot take even that (still away after the retries) stops the run.
-            log.warning("generate gave up on %d units: %s", len(unit_ids), describe(error))
             try:
-                give_up_generate(self.rt.db, unit_ids, error, self.rt.retry.tries_spent(error))
-            except Exception as exc:
+                decision = after_failure(
+                    GENERATE, work, error, tries=tries, policy=self.rt.retry, db=self.rt.db, stop=self.stop
+                )
+            except Stopped:
+                decision = None
+            except Exception as exc:  # the database cannot take even the failure: the run stops
                 self._failure = self._failure or exc
                 self.stop.set()
-            return
-        with self._counts.lock:
-            self._counts.answered_units += future.result().stored
-        self.progress.update("generate", self._counts.answered_units, self._counts.units)
+                decision = None
+            if isinstance(decision, Retry):
+                again = threading.Timer(
+                    decision.wait, self._try_generate, (generate, units, settled, tries + 1)
+                )
+                again.daemon = True
+                again.start()
+                return
+            settled.set_result(None)
+
+        generate.submit(units).add_done_callback(done)
+
+    def _tries(self, stage: Stage[W], work: W, body: Callable[[], T]) -> T | None:
+        """`body` tried under the one runner in this thread (worker.stages.runner): its value, or None
+        once given up; raises Stopped when the run stops."""
+        return run_tries(stage, work, body, policy=self.rt.retry, db=self.rt.db, stop=self.stop)
 
     # --- plumbing --------------------------------------------------------------------------------
 
@@ -382,16 +406,18 @@ class EmbeddedRun:
             self.rt.kill_splitters()
 
     def _finish(self, job_id: str, generate: GenerateService) -> None:
+        if self.lease.lost:  # another run holds the job now: its status is that run's to write
+            return
         state = repo.job_state(self.rt.db, job_id)
         status = state[0] if state else None
         failure = self._failure or generate.error
         if failure is not None and status not in FINISHED_JOB_STATUSES:
             message = f"{describe(failure)} (visbatch resume continues it)"
-            repo.set_job_status(self.rt.db, job_id, "failed", error=message)
+            end_held(self.rt.db, job_id, self.lease.holder, "failed", message)
             return
         if self.stop_reason is not None and status not in FINISHED_JOB_STATUSES:
             message = f"{self.stop_reason}; finished work is kept"
-            repo.set_job_status(self.rt.db, job_id, "cancelled", error=message)
+            end_held(self.rt.db, job_id, self.lease.holder, "cancelled", message)
             return
         if status not in FINISHED_JOB_STATUSES:
             # Every stage ran to its end; the countdown closes the job, this only repairs one

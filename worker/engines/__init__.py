@@ -1,6 +1,8 @@
 """Engines behind one interface; the pipeline picks one by name and never branches on it: what
 it must know of an engine (does it need the adapter's language model, how many requests to keep
-in flight) is asked here (`choose_engine`, `needs_language_model`, `default_window`).
+in flight, can it take the model's family) the engine's class answers (worker.engines.base), found
+here by name (`engine_class`; `choose_engine`, `needs_language_model`, `default_window`,
+`make_engine` ask it).
 
 `VISBATCH_ENGINE` is `vllm`, `transformers`, `openai`, or `auto` (the default): vLLM where it can
 be imported, the model runs on a GPU and vLLM can take the family's cached tokens; transformers
@@ -12,10 +14,11 @@ model compute: load_engine.py); `auto` never picks it.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import TYPE_CHECKING
 
-from worker.engines.base import Engine, EngineRequest, Generation, RequestRejected
+from worker.engines.base import Engine, EngineRequest, Generation, RequestRejected, StepEngine
 
 if TYPE_CHECKING:
     from visbatch.settings import Settings
@@ -23,40 +26,46 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("vllm", "transformers", "openai", "load")
-# Fed the cached tokens through vLLM (in process, or a `vllm serve`): a family whose tokens vLLM
-# cannot take is refused by these.
-_VLLM_FED = ("vllm", "openai")
-# vLLM schedules hundreds of sequences at once (Ray Data LLM keeps 256 per replica), in process or
-# as a server; the load engine stands for a vLLM GPU. transformers runs static batches: a few
-# batches' worth to pack from.
-_VLLM_WINDOW = 256
-_BATCHES_IN_WINDOW = 4
+# Each engine's class, as "module:Class": a module is imported when its engine is first asked
+# about, and only its own (vLLM and transformers are imported by their engines when they start
+# or run a batch, never to read a class).
+_REGISTRY: dict[str, str] = {
+    "vllm": "worker.engines.vllm_engine:VLLMEngine",
+    "transformers": "worker.engines.transformers_engine:TransformersEngine",
+    "openai": "worker.engines.openai_engine:OpenAIEngine",
+    "load": "worker.engines.load_engine:LoadEngine",
+}
+ENGINES = tuple(_REGISTRY)
+
+
+def engine_class(name: str) -> type[StepEngine]:
+    """The class of engine `name` (not `auto`: resolve_engine_name first); ValueError naming
+    every engine when there is none of that name."""
+    where = _REGISTRY.get(name)
+    if where is None:
+        raise ValueError(f"unknown engine {name!r} (available: auto, {', '.join(ENGINES)})")
+    module, _, attribute = where.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def choose_engine(setting: str, adapter: ModelAdapter) -> str:
     """The engine `setting` (VISBATCH_ENGINE) means for this model, resolved once for a runtime;
-    VLLMUnsupportedFamily (an UnsupportedModel) when it is a vLLM engine and vLLM cannot take the
-    family's cached tokens: said as the job starts, before any weight loads."""
+    the engine's refusal (VLLMUnsupportedFamily, an UnsupportedModel, from a vLLM engine) when it
+    cannot take the model's family: said as the job starts, before any weight loads."""
     name = resolve_engine_name(setting, adapter)
-    if name not in ENGINES:
-        raise ValueError(f"unknown engine {setting!r} (available: auto, {', '.join(ENGINES)})")
-    if name in _VLLM_FED:
-        from worker.engines.vllm_common import refuse_unsupported_family
-
-        refuse_unsupported_family(name, adapter)
+    engine_class(name).refuse_family(adapter)
     return name
 
 
 def needs_language_model(name: str) -> bool:
     """Whether the engine generates with the adapter's own language model (transformers); the
     others take the cached tokens elsewhere, so only the vision tower loads in this process."""
-    return name == "transformers"
+    return engine_class(name).needs_language_model
 
 
 def default_window(name: str, max_batch_size: int) -> int:
     """Requests kept in flight in the engine when VISBATCH_GENERATE_WINDOW is not set."""
-    return _BATCHES_IN_WINDOW * max_batch_size if name == "transformers" else _VLLM_WINDOW
+    return engine_class(name).default_window(max_batch_size)
 
 
 def resolve_engine_name(name: str, adapter: ModelAdapter) -> str:
@@ -74,32 +83,9 @@ def resolve_engine_name(name: str, adapter: ModelAdapter) -> str:
 
 
 def make_engine(name: str, adapter: ModelAdapter, settings: Settings | None = None) -> Engine:
-    """Build the engine `name` (vllm, transformers, openai or auto); the knobs come from `settings`."""
-    resolved = resolve_engine_name(name, adapter)
-    if resolved == "transformers":
-        from worker.engines.transformers_engine import TransformersEngine
-
-        if settings is None:
-            return TransformersEngine(adapter)
-        return TransformersEngine(
-            adapter, batch_tokens=settings.token_budget, max_batch_size=settings.max_batch_size
-        )
-    if resolved == "vllm":
-        from visbatch.settings import Settings
-        from worker.engines.vllm_engine import VLLMEngine, VLLMOptions
-
-        return VLLMEngine(adapter, VLLMOptions.from_settings(settings or Settings()))
-    if resolved == "load":  # capacity tests only (bench/control_plane.py)
-        from visbatch.settings import Settings
-        from worker.engines.load_engine import make_load_engine
-
-        return make_load_engine(adapter, settings or Settings())
-    if resolved == "openai":
-        from visbatch.settings import Settings
-        from worker.engines.openai_engine import OpenAIEngine, OpenAIOptions
-
-        return OpenAIEngine(adapter, OpenAIOptions.from_settings(settings or Settings()))
-    raise ValueError(f"unknown engine {name!r} (available: auto, {', '.join(ENGINES)})")
+    """Build the engine `name` (vllm, transformers, openai, load or auto); the knobs come from
+    `settings` (None: the environment's, or the engine's own defaults where it has them)."""
+    return engine_class(resolve_engine_name(name, adapter)).from_settings(adapter, settings)
 
 
 __all__ = [
@@ -108,8 +94,10 @@ __all__ = [
     "EngineRequest",
     "Generation",
     "RequestRejected",
+    "StepEngine",
     "choose_engine",
     "default_window",
+    "engine_class",
     "make_engine",
     "needs_language_model",
     "resolve_engine_name",

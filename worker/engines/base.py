@@ -7,6 +7,11 @@ them continuously; the transformers engine packs what is queued by token count i
 batches). `request_abort` may be called from any thread: a cancelled job's requests stop at the
 engine's next step (vLLM) or next decode step (transformers), and are never returned.
 `generate` is the one-shot form (add everything, step until done) that tests and benchmarks use.
+
+What the pipeline must know of an engine before it builds one (does it need the adapter's language
+model, is it fed through vLLM, how many requests to keep in flight, can it take this model's
+family) the engine's class answers (`StepEngine`'s class attributes and class methods), so that
+nothing else branches on an engine's name; `worker.engines` finds the class by name.
 """
 
 from __future__ import annotations
@@ -14,9 +19,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
 
 from worker.tokens.tensors import VisualTokens
+
+if TYPE_CHECKING:
+    from visbatch.settings import Settings
+    from worker.models.base import ModelAdapter
+
+# vLLM schedules hundreds of sequences at once (Ray Data LLM keeps 256 per replica), in process or
+# as a server, and the load engine stands for a vLLM GPU: the window of an engine that batches
+# continuously. (The transformers engine, which runs static batches, keeps a few batches' worth.)
+CONTINUOUS_WINDOW = 256
 
 
 @dataclass(frozen=True)
@@ -85,9 +99,34 @@ class Engine(Protocol):
 
 
 class StepEngine(ABC):
-    """What every engine shares: the abort set, and `generate` over add/step."""
+    """What every engine shares: the abort set, and `generate` over add/step; and, asked of the
+    class before one is built, what the engine needs (read without importing vLLM or
+    transformers: an engine's module imports those where it uses them)."""
 
-    name = "engine"
+    name: ClassVar[str] = "engine"
+    # Generates with the adapter's own language model, in this process: the whole model loads.
+    # The others take the cached tokens elsewhere, so only the vision tower loads here.
+    needs_language_model: ClassVar[bool] = False
+    # Feeds the cached tokens to vLLM (in process or a `vllm serve`): a family whose tokens vLLM
+    # cannot take is refused (worker.engines.vllm_common.VLLMFedEngine.refuse_family).
+    vllm_fed: ClassVar[bool] = False
+
+    @classmethod
+    @abstractmethod
+    def from_settings(cls, adapter: ModelAdapter, settings: Settings | None = None) -> Self:
+        """The engine for `adapter`, its knobs from `settings` (None: the environment's, or the
+        engine's own defaults where it has them)."""
+
+    @classmethod
+    def default_window(cls, max_batch_size: int) -> int:
+        """Requests kept in flight in the engine when VISBATCH_GENERATE_WINDOW is not set."""
+        return CONTINUOUS_WINDOW
+
+    @classmethod
+    def refuse_family(cls, adapter: ModelAdapter) -> None:
+        """Raise (an UnsupportedModel) when this engine cannot take the adapter's model family:
+        asked as the job starts, before any weight loads. Most engines take every family."""
+        return None
 
     def __init__(self) -> None:
         # Written by any thread (set.update is atomic under the GIL), read by the stepping one.

@@ -23,8 +23,13 @@ from __future__ import annotations
 import math
 import random
 import time
+from typing import TYPE_CHECKING
 
 from worker.engines.base import EngineRequest, Generation, StepEngine
+
+if TYPE_CHECKING:
+    from visbatch.settings import Settings
+    from worker.models.base import ModelAdapter
 
 # Default GPU throughput: the assumption docs/budget.md states for `visbatch plan`.
 DEFAULT_TOKENS_PER_S = 20_000.0
@@ -61,6 +66,22 @@ class LoadEngine(StepEngine):
         self._finish: dict[str, tuple[float, int]] = {}  # request id -> (finishes at, new tokens)
         self._busy_until = 0.0  # the emulated GPU is busy until then
         self.tokens_served = 0
+
+    @classmethod
+    def from_settings(cls, adapter: ModelAdapter, settings: Settings | None = None) -> LoadEngine:
+        """The load engine for `adapter`'s tokenizer (its answers decode like real tokens)."""
+        from visbatch.settings import Settings
+
+        settings = settings or Settings()
+        tokenizer = adapter.tokenizer
+        token_id = tokenizer.encode(" ok", add_special_tokens=False)[0]
+        return cls(
+            token_id,
+            tokenizer.decode([token_id]),
+            tokens_per_s=settings.load_tokens_per_s,
+            output_tokens=settings.load_output_tokens,
+            request_tokens=settings.load_request_tokens,
+        )
 
     def cost_tokens(self, request: EngineRequest) -> tuple[int, int]:
         """(tokens this request costs the emulated GPU, new tokens it answers with)."""
@@ -101,16 +122,3 @@ class LoadEngine(StepEngine):
             text=self.text * new_tokens,
             finish_reason="length",
         )
-
-
-def make_load_engine(adapter, settings) -> LoadEngine:  # noqa: ANN001 - ModelAdapter, Settings
-    """The load engine for `adapter`'s tokenizer (its answers decode like real tokens)."""
-    tokenizer = adapter.tokenizer
-    token_id = tokenizer.encode(" ok", add_special_tokens=False)[0]
-    return LoadEngine(
-        token_id,
-        tokenizer.decode([token_id]),
-        tokens_per_s=settings.load_tokens_per_s,
-        output_tokens=settings.load_output_tokens,
-        request_tokens=settings.load_request_tokens,
-    )

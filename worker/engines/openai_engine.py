@@ -54,15 +54,15 @@ import httpx
 import numpy as np
 import torch
 
-from worker.engines.base import EngineRequest, Generation, RequestRejected, StepEngine
+from worker.engines.base import EngineRequest, Generation, RequestRejected
 from worker.engines.vllm_common import (
     GenerationDefaults,
     PrefixCacheCounts,
     ReductionWarnings,
+    VLLMFedEngine,
     check_request,
     completion_ids,
     generation_defaults,
-    refuse_unsupported_family,
     schema_string,
 )
 from worker.models.base import ModelAdapter
@@ -191,13 +191,11 @@ class _Live(NamedTuple):
     future: Future | None
 
 
-class OpenAIEngine(StepEngine):
+class OpenAIEngine(VLLMFedEngine):
     name = "openai"
 
     def __init__(self, adapter: ModelAdapter, options: OpenAIOptions) -> None:
-        refuse_unsupported_family("openai", adapter)
-        super().__init__()
-        self.adapter = adapter
+        super().__init__(adapter)  # a family vLLM cannot take is refused here
         self.options = options
         # httpx logs every request at INFO: hundreds of thousands of lines in one batch run.
         if logging.getLogger("httpx").level == logging.NOTSET:
@@ -213,6 +211,13 @@ class OpenAIEngine(StepEngine):
         self._thread: threading.Thread | None = None
         self._client: httpx.AsyncClient | None = None
         self._slots: asyncio.Semaphore | None = None
+
+    @classmethod
+    def from_settings(cls, adapter: ModelAdapter, settings: Settings | None = None) -> OpenAIEngine:
+        """LLMServerNotConfigured without VISBATCH_LLM_URL."""
+        from visbatch.settings import Settings
+
+        return cls(adapter, OpenAIOptions.from_settings(settings or Settings()))
 
     @cached_property
     def _generation_defaults(self) -> GenerationDefaults:

@@ -16,24 +16,31 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from itertools import groupby
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from worker.engines.base import EngineRequest, Generation, StepEngine
-from worker.engines.structured import GrammarLogitsProcessor
 from worker.models.base import ModelAdapter
 from worker.tokens.packing import PackItem, pack_by_tokens
+
+if TYPE_CHECKING:
+    from visbatch.settings import Settings
 
 log = logging.getLogger(__name__)
 
 # Defaults of VISBATCH_TOKEN_BUDGET / VISBATCH_MAX_BATCH_SIZE (visbatch.settings).
 DEFAULT_BATCH_TOKENS = 16384
 DEFAULT_MAX_BATCH_SIZE = 16
+# Static batches: a few batches' worth kept in flight to pack from (the default window).
+BATCHES_IN_WINDOW = 4
 
 
-class _StopAborted(StoppingCriteria):
-    """Ends the rows whose requests were aborted, at the next decode step."""
+class _StopAborted:
+    """Ends the rows whose requests were aborted, at the next decode step: a transformers
+    StoppingCriteria (StoppingCriteriaList calls it with the tokens so far, it answers per row),
+    not derived from it so that this module imports transformers only when a batch runs: the
+    engine's class is read (worker.engines) before any model loads."""
 
     def __init__(self, row_ids: list[str], aborted: set[str]) -> None:
         self.row_ids = row_ids
@@ -48,6 +55,7 @@ class _StopAborted(StoppingCriteria):
 
 class TransformersEngine(StepEngine):
     name = "transformers"
+    needs_language_model = True
 
     def __init__(
         self,
@@ -65,6 +73,17 @@ class TransformersEngine(StepEngine):
         self._ramp = 1  # this step's batch size limit: doubles while busy, back to 1 when idle
         self.padding_slots = 0  # input slots that were padding, over every batch run
         self.input_slots = 0
+
+    @classmethod
+    def from_settings(cls, adapter: ModelAdapter, settings: Settings | None = None) -> TransformersEngine:
+        """None: the engine's own defaults (not the environment's)."""
+        if settings is None:
+            return cls(adapter)
+        return cls(adapter, batch_tokens=settings.token_budget, max_batch_size=settings.max_batch_size)
+
+    @classmethod
+    def default_window(cls, max_batch_size: int) -> int:
+        return BATCHES_IN_WINDOW * max_batch_size
 
     # --- the step API ------------------------------------------------------------------------
 
@@ -138,6 +157,8 @@ class TransformersEngine(StepEngine):
 
     @torch.inference_mode()
     def _generate_group(self, requests: list[EngineRequest], ids: Iterable[str]) -> list[Generation]:
+        from transformers import LogitsProcessorList, StoppingCriteriaList  # loaded with the model
+
         adapter = self.adapter
         model = adapter.model
         prompts, visuals = [r.prompt_ids for r in requests], [r.visual for r in requests]
@@ -152,6 +173,8 @@ class TransformersEngine(StepEngine):
         first = requests[0]
         processors = LogitsProcessorList()
         if any(r.json_schema is not None for r in requests):
+            from worker.engines.structured import GrammarLogitsProcessor
+
             vocab = int(model.get_output_embeddings().weight.shape[0])
             processors.append(
                 GrammarLogitsProcessor(adapter.tokenizer, vocab, [r.json_schema for r in requests])

@@ -5,8 +5,9 @@ server engine (worker.engines.openai_engine) sends the same values as request fi
 them from here: the model's end-of-sequence ids and repetition penalty (transformers applies
 generation_config.json's penalty even when greedy, vLLM only what it is given), the schema string
 (the grammar fixes the order of properties, so equal text needs an equal string), the trimming of
-the end-of-sequence token vLLM keeps in its output, and the warning for pruning or merging,
-which vLLM cannot do (it sizes each image from its grid).
+the end-of-sequence token vLLM keeps in its output, the warning for pruning or merging,
+which vLLM cannot do (it sizes each image from its grid), and their base class
+(`VLLMFedEngine`), which refuses the families vLLM cannot take.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ingest.token_rules import UnsupportedModel
-from worker.engines.base import RequestRejected
+from worker.engines.base import RequestRejected, StepEngine
 from worker.tokens.tensors import InvalidVisualTokens
 
 if TYPE_CHECKING:
@@ -96,15 +97,29 @@ class VLLMUnsupportedFamily(UnsupportedModel):
     vLLM cannot take: the setting's error, said before any weight loads."""
 
 
-def refuse_unsupported_family(engine: str, adapter: ModelAdapter) -> None:
-    """VLLMUnsupportedFamily, with the family's reason and the setting to use, when vLLM cannot
-    take this adapter's cached tokens."""
-    unsupported = getattr(adapter, "vllm_unsupported", None)
-    if unsupported:
-        raise VLLMUnsupportedFamily(
-            f"VISBATCH_ENGINE={engine} cannot run {adapter.family}: {unsupported}; "
-            "use VISBATCH_ENGINE=transformers (or auto, which picks it for this family)"
-        )
+class VLLMFedEngine(StepEngine):
+    """An engine that feeds the cached tokens to vLLM (in process or a server): both refuse, in
+    this one place, a family whose tokens vLLM cannot take (`ModelAdapter.vllm_unsupported`).
+    `choose_engine` asks before any weight loads; the constructor asks again for an engine built
+    directly (tests, benchmarks), before anything starts."""
+
+    vllm_fed = True
+
+    def __init__(self, adapter: ModelAdapter) -> None:
+        self.refuse_family(adapter)
+        super().__init__()
+        self.adapter = adapter
+
+    @classmethod
+    def refuse_family(cls, adapter: ModelAdapter) -> None:
+        """VLLMUnsupportedFamily, with the family's reason and the setting to use, when vLLM
+        cannot take this adapter's cached tokens."""
+        unsupported = getattr(adapter, "vllm_unsupported", None)
+        if unsupported:
+            raise VLLMUnsupportedFamily(
+                f"VISBATCH_ENGINE={cls.name} cannot run {adapter.family}: {unsupported}; "
+                "use VISBATCH_ENGINE=transformers (or auto, which picks it for this family)"
+            )
 
 
 def check_request(request: EngineRequest, spec: TokenSpec) -> None:

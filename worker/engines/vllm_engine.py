@@ -32,15 +32,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from worker.engines.base import EngineRequest, Generation, RequestRejected, StepEngine
+from worker.engines.base import EngineRequest, Generation, RequestRejected
 from worker.engines.vllm_common import (
     GenerationDefaults,
     PrefixCacheCounts,
     ReductionWarnings,
+    VLLMFedEngine,
     check_request,
     completion_ids,
     generation_defaults,
-    refuse_unsupported_family,
     schema_string,
 )
 from worker.models.base import ModelAdapter
@@ -109,21 +109,25 @@ def _add_request(llm: Any, request_id: str, prompt: dict[str, Any], params: Any)
     llm.llm_engine.add_request(request_id, llm._preprocess_cmpl_one(prompt), params)
 
 
-class VLLMEngine(StepEngine):
+class VLLMEngine(VLLMFedEngine):
     name = "vllm"
 
     def __init__(self, adapter: ModelAdapter, options: VLLMOptions | None = None) -> None:
         # Fail at construction, with the fix, rather than at the first batch.
         if not vllm_available():
             raise VLLMUnavailable(f"VISBATCH_ENGINE=vllm but vLLM is not installed: {INSTALL_HINT}")
-        refuse_unsupported_family("vllm", adapter)
-        self.adapter = adapter
+        super().__init__(adapter)  # a family vLLM cannot take is refused here
         self.options = options or VLLMOptions()
-        super().__init__()
         self.prefix_cache = PrefixCacheCounts()
         self._reductions = ReductionWarnings("vLLM engine", log)
         self._live: set[str] = set()  # our ids of the requests inside vLLM (vLLM reports them so)
         self._ready: list[tuple[str, Generation]] = []  # refused before reaching vLLM
+
+    @classmethod
+    def from_settings(cls, adapter: ModelAdapter, settings: Settings | None = None) -> VLLMEngine:
+        from visbatch.settings import Settings
+
+        return cls(adapter, VLLMOptions.from_settings(settings or Settings()))
 
     # --- the LLM -------------------------------------------------------------------------
 

@@ -267,6 +267,9 @@ def plan_job(
             result.cost_usd = result.gpu_hours * gpu_cost_per_hour
             if total.units:
                 result.cost_per_million_pages_usd = result.cost_usd / total.units * 1e6
+    elif gpu_cost_per_hour is not None:
+        # Said, not silently dropped: a price needs a measured rate (the fleet lines' is assumed).
+        result.notes.append("--gpu-cost-per-hour needs --throughput (your measured rate): no cost without it")
     if model.shape is not None and total.units:
         result.fleet = _fleet(result, spec, model.shape, element_bytes, throughput, deadline_s,
                               pages_in_flight, prices, hot_max_entry_bytes)  # fmt: skip

@@ -13,6 +13,7 @@ import html
 import json
 import math
 from collections.abc import Iterable
+from datetime import UTC, datetime
 from typing import Any
 
 from storage.review import ResultView, UnitView
@@ -33,6 +34,8 @@ table.grid td,table.grid th{border-bottom:1px solid #ddd}
 .muted{color:#666}.err{color:#a00}.ok{color:#060}.warn{color:#a60}
 .badge{display:inline-block;padding:0 6px;border-radius:8px;font-size:.85em;background:#e8e8e8}
 .badge.failed{background:#f6d5d5}.badge.skipped{background:#f3ecd0}.badge.done{background:#d8efd8}
+.badge.succeeded{background:#d8efd8}.badge.partial{background:#fbd9a5;color:#6b3d00}
+.badge.running{background:#d6e6f8}
 .tabs a,.tabs span{margin-right:1em}.tabs .current{font-weight:bold}
 nav.pages{margin:.8em 0}nav.pages a,nav.pages span{margin-right:.8em}
 .unit{display:flex;gap:1em;background:#fff;border:1px solid #ddd;border-radius:6px;padding:.8em;margin:.8em 0}
@@ -86,6 +89,16 @@ def pager(current: int, total_pages: int, href: Any) -> str:
 
 def fmt_int(n: int | None) -> str:
     return "" if n is None else f"{n:,}"
+
+
+def fmt_when(when: datetime | None, missing: str = "") -> str:
+    """A stored time as a person reads it, "2026-12-03 08:20 UTC" (the exact ISO time in the
+    element's datetime attribute and its tooltip)."""
+    if when is None:
+        return esc(missing)
+    when = when.astimezone(UTC) if when.tzinfo is not None else when.replace(tzinfo=UTC)
+    exact = when.isoformat(timespec="seconds")
+    return f'<time datetime="{esc(exact)}" title="{esc(exact)}">{when:%Y-%m-%d %H:%M} UTC</time>'
 
 
 def fmt_timestamp(seconds: float) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from storage.db import Database
 from storage.object_store import ObjectNotFound, ObjectStore
@@ -30,7 +31,17 @@ from storage.review import (
     unit_page,
     unit_position,
 )
-from worker.review.html import esc, fmt_int, page, pager, pages_needed, render_json, render_unit, table
+from worker.review.html import (
+    esc,
+    fmt_int,
+    fmt_when,
+    page,
+    pager,
+    pages_needed,
+    render_json,
+    render_unit,
+    table,
+)
 from worker.review.images import Thumbnails
 
 UNITS_PER_PAGE = 50
@@ -143,8 +154,8 @@ class ReviewSite:
         size = self.sources_per_page
         sources = source_page(self.db, self.job_id, offset=(n - 1) * size, limit=size)
         rows = [_source_row(s) for s in sources]
-        headers = ["source", "kind", "status", "units", "done", "units with failures", "skipped frames",
-                   "answers", "failed answers", "units with schema errors", "visual tokens",
+        headers = ["source", "kind", "status", "pages+frames", "answered", "with failures", "skipped frames",
+                   "answers", "failed answers", "with schema errors", "visual tokens",
                    "completion tokens"]  # fmt: skip
         body = [
             _job_header(job),
@@ -185,8 +196,8 @@ class ReviewSite:
         head = [
             f'<p><a href="index.html">← job {esc(self.job_id)}</a></p>',
             f"<h1>{esc(source.uri)}</h1>",
-            f'<p>{esc(source.kind or "unknown kind")} · <span class="badge {esc(source.status)}">'
-            f"{esc(source.status)}</span> · {fmt_int(source.units)} units · "
+            f"<p>{esc(source.kind or 'unknown kind')} · {_state_badge(source)} · "
+            f"{fmt_int(source.units)} {_unit_noun(source.kind, source.units)} · "
             f"{fmt_int(source.visual_tokens)} visual tokens · "
             f"{fmt_int(source.completion_tokens)} completion tokens</p>",
         ]
@@ -212,7 +223,7 @@ def _source_row(s: SourceSummary) -> list[str]:
     return [
         name,
         esc(s.kind or ""),
-        f'<span class="badge {esc(s.status)}">{esc(s.status)}</span>',
+        _state_badge(s),
         f'<span class="num">{fmt_int(s.units)}</span>',
         f'<span class="num">{fmt_int(s.done)}</span>',
         count_link("failed", s.view_counts.get("failed", 0)),
@@ -225,27 +236,122 @@ def _source_row(s: SourceSummary) -> list[str]:
     ]
 
 
-def _job_header(job: JobInfo) -> str:
+# A source's state as a person says it, with its badge's colour: the stored status is a pipeline
+# step (`ingested` is split into pages, not answered).
+_STATE_BADGES = {"done": "done", "done, with failures": "partial", "failed": "failed"}
+
+
+def source_state(s: SourceSummary) -> str:
+    """done, done with failures, unfinished (pages not answered yet), partly split, not split yet
+    or failed."""
+    if s.status == "failed":
+        return "failed"
+    if s.status == "pending":
+        return "partly split" if s.units else "not split yet"
+    if s.units - s.done - s.failed - s.skipped > 0:
+        return "unfinished"
+    return "done, with failures" if s.failed or s.answers_failed else "done"
+
+
+def _state_badge(s: SourceSummary) -> str:
+    state = source_state(s)
+    cls = _STATE_BADGES.get(state, "")
+    return f'<span class="badge {cls}" data-state="{esc(s.status)}">{esc(state)}</span>'
+
+
+def _unit_noun(kind: str | None, n: int) -> str:
+    """What a source's units are: pages of a PDF, frames of a video, an image."""
+    noun = {"pdf": "page", "video": "frame", "image": "image"}.get(kind or "", "page or frame")
+    if n == 1:
+        return noun
+    return "pages or frames" if noun == "page or frame" else f"{noun}s"
+
+
+# What each saving is (storage.token_report), in words.
+_SAVED = {
+    "detail": "by the detail settings",
+    "skipped_frames": "by skipped frames",
+    "cache_hits": "from the cache",
+    "pruning": "by pruning",
+    "merging": "by merging",
+}
+
+
+def _saved(saved: dict[str, int]) -> str:
+    parts = [f"{_SAVED.get(key, key.replace('_', ' '))} {fmt_int(n)}" for key, n in saved.items() if n]
+    return esc(" · ".join(parts)) if parts else '<span class="muted">none</span>'
+
+
+def _spent(job: JobInfo) -> str:
     spent = job.tokens.get("spent", {})
+    text = (
+        f"visual {fmt_int(spent.get('visual'))} (pages+frames encoded) · "
+        f"prompt {fmt_int(spent.get('prompt'))} · completion {fmt_int(spent.get('completion'))}"
+    )
+    later = job.tokens.get("units_not_encoded")
+    if later:  # a stopped job: split, not through the tower yet (storage.token_report)
+        planned = fmt_int(job.tokens.get("visual_not_encoded"))
+        text += f"; {planned} more planned for {fmt_int(later)} not encoded yet"
+    return esc(text)
+
+
+def _budget_value(key: str, value: Any) -> str:
+    if key == "detail":
+        return "not set" if value is None else str(value)
+    if key in ("min_pixels", "max_pixels"):
+        return "the model's own" if value is None else f"{value:,} pixels"
+    if key.startswith("max_tokens_per_"):
+        return "no cap" if value is None else f"{value:,} tokens"
+    if key == "skip_redundant_frames":
+        return "yes" if value else "no"
+    if key in ("prune_keep", "merge_keep"):
+        if value is None or value >= 1:
+            return f"keep all (no {'pruning' if key == 'prune_keep' else 'merging'})"
+        return f"keep {value:.0%}"
+    if key == "redundancy_threshold":
+        return f"a mean RGB difference under {value:g} (of 255)"
+    return "not set" if value is None else str(value)
+
+
+_BUDGET_LABELS = {
+    "detail": "detail preset",
+    "min_pixels": "fewest pixels per image",
+    "max_pixels": "most pixels per image",
+    "max_tokens_per_frame": "tokens per page or frame",
+    "max_tokens_per_video": "tokens per video",
+    "skip_redundant_frames": "skip repeated video frames",
+    "redundancy_threshold": "a frame repeats the last kept one at",
+    "prune_keep": "pruning",
+    "merge_keep": "merging",
+}
+
+
+def _budget(budget: dict[str, Any]) -> str:
+    """The job's visual-token budget in words (a setting left unset is the model's own)."""
+    rows = "".join(
+        f"<tr><th>{esc(_BUDGET_LABELS.get(key, key.replace('_', ' ')))}</th>"
+        f"<td>{esc(_budget_value(key, value))}</td></tr>"
+        for key, value in budget.items()
+    )
+    return f'<table class="budget">{rows}</table>'
+
+
+def _job_header(job: JobInfo) -> str:
     saved = job.tokens.get("saved", {})
     spec = job.spec
     facts = [
         ("status", f'<span class="badge {esc(job.status)}">{esc(job.status)}</span>'),
         ("model", esc(spec.get("model") or "")),
-        ("created", esc(job.created_at.isoformat(timespec="seconds") if job.created_at else "")),
-        ("finished", esc(job.finished_at.isoformat(timespec="seconds") if job.finished_at else "not yet")),
+        ("created", fmt_when(job.created_at)),
+        ("finished", fmt_when(job.finished_at, "not yet")),
         ("sources", f"{fmt_int(job.sources_total)} ({fmt_int(job.sources_failed)} failed)"),
         (
-            "units",
+            "pages+frames",
             f"{fmt_int(job.units_total)} ({fmt_int(job.units_failed)} failed, "
             f"{fmt_int(job.tokens.get('units_skipped', 0))} skipped)",
         ),  # fmt: skip
-        (
-            "tokens spent",
-            f"visual {fmt_int(spent.get('visual'))} · prompt {fmt_int(spent.get('prompt'))} · "
-            f"completion {fmt_int(spent.get('completion'))}",
-        ),  # fmt: skip
-        ("visual tokens saved", " · ".join(f"{esc(k)} {fmt_int(v)}" for k, v in saved.items())),
+        ("tokens spent", _spent(job)),
+        ("visual tokens saved", _saved(saved)),
     ]
     if job.error:
         facts.append(("error", f'<span class="err">{esc(job.error)}</span>'))
@@ -257,7 +363,7 @@ def _job_header(job: JobInfo) -> str:
     budget = spec.get("budget")
     budget_html = ""
     if budget:
-        budget_html = f"<details><summary>visual-token budget</summary>{render_json(budget)}</details>"
+        budget_html = f"<details><summary>visual-token budget</summary>{_budget(budget)}</details>"
     return (
         f"<h1>visbatch job {esc(job.id)}</h1><table>{rows}</table>"
         f'<h2>Prompts</h2><ol class="prompts">{prompts}</ol>{schema}{budget_html}'

@@ -1,8 +1,8 @@
 """The encode stage: units -> visual tokens in the cache (a hit skips the tower), units marked encoded.
 
-Transient errors (the store, the cache or the database away) propagate to the driver's retry
-policy (worker.retry) and never fail a unit while tries remain; `give_up` records the real
-cause on the units once the last try has failed.
+Transient errors (the store, the cache or the database away) propagate to the one runner
+(worker.stages.runner) and never fail a unit while tries remain; the stage's `give_up`
+(worker.stages.failures) records the real cause on the units once the last try has failed.
 """
 
 from __future__ import annotations
@@ -13,11 +13,8 @@ from dataclasses import dataclass, field
 
 from ingest.budget import PixelBounds
 from storage import repository as repo
-from storage.db import Database
-from storage.models import UnitStatus
 from storage.rows import UnitTask
 from worker import metrics
-from worker.retry import failure_message
 from worker.stages.needs import EncodeNeeds
 
 
@@ -57,12 +54,3 @@ def encode_units(rt: EncodeNeeds, units: list[UnitTask], cache: str = "cold") ->
     for job_id in {u.job_id for u in units}:
         repo.add_stage_seconds(rt.db, job_id, "encode", seconds)
     return step
-
-
-def give_up(db: Database, unit_ids: list[int], exc: BaseException, tries: int) -> dict[str, str]:
-    """The last try failed: the units still pending fail with the real cause, the job goes on
-    (both drivers call this). Returns the jobs it closed."""
-    message = failure_message("encode", exc, tries)
-    still = repo.units_by_ids(db, unit_ids, UnitStatus.PENDING)
-    metrics.ERRORS.labels("encode", "retries_exhausted").inc(len(still))
-    return repo.close_finished(db, repo.fail_units(db, [(u.unit_id, message) for u in still]))

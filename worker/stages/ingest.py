@@ -27,7 +27,6 @@ from storage import repository as repo
 from storage.db import Database
 from storage.rows import UnitRow, UnitTask
 from worker import metrics
-from worker.retry import failure_message
 from worker.stages.needs import IngestNeeds
 
 UNIT_CHUNK = 64  # rows per insert: bounds memory on 2,000-page PDFs
@@ -228,22 +227,3 @@ def _range_size(selection: UnitSelection, info: SourceInfo) -> int:
     total = info.units or 0
     end = total if selection.limit is None else min(total, selection.first + selection.limit)
     return max(0, end - selection.first)
-
-
-def give_up(
-    db: Database, source_id: int, exc: BaseException, tries: int, *, time_limit_s: float | None = None
-) -> dict[str, str]:
-    """The last try of the source failed (or the driver's time limit cut it, `time_limit_s`): the
-    source fails with the real cause, its stored units stay, the job goes on. Both drivers call
-    this, so a failure means the same in a fleet and in one process. Returns the jobs it closed."""
-    if time_limit_s is not None:
-        # A PDF's pages are split in ranges that end in time; a video is one step.
-        message = (
-            f"ingest failed: splitting took longer than the task time limit "
-            f"(VISBATCH_TASK_TIME_LIMIT, {time_limit_s:g} s): sample fewer frames "
-            "(--max-frames, --fps) or raise the limit with VISBATCH_VISIBILITY_TIMEOUT above it"
-        )
-    else:
-        message = failure_message("ingest", exc, tries)
-    metrics.ERRORS.labels("ingest", "source").inc()
-    return repo.close_finished(db, repo.complete_source(db, source_id, error=message))

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from visbatch.settings import Settings
     from worker.engines import Engine
     from worker.retry import RetryPolicy
-    from worker.tokens.request_builder import RequestBuilder
+    from worker.stages.generate.requests import RequestBuilder
     from worker.tokens.store import VisualTokenStore
 
 

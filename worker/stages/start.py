@@ -34,7 +34,7 @@ def start_job(
     Returns the job id and the sources to ingest. An input given with an error is a failed
     source; a job with nothing to ingest is already closed when this returns. A `fleet` job
     records where each source is read, so that any worker can send its ingest again
-    (worker.drivers.stall_watch).
+    (worker.drivers.fleet.stall_watch).
     """
     job_spec = spec.model_copy(update={"model": rt.model_name})
     pairs = [(i.uri, i.error or (None if i.location else "file not found")) for i in inputs]

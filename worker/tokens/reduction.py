@@ -22,7 +22,7 @@ The batch is then rebuilt, family-neutrally, from what the adapter says:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -30,8 +30,24 @@ from worker.tokens.merging import merge_runs, run_position
 from worker.tokens.pruning import select_tokens
 from worker.tokens.tensors import VisualTokens
 
-if TYPE_CHECKING:
-    from worker.models.base import ModelAdapter
+
+class ReducibleModel(Protocol):
+    """What reduction needs of a model (its adapter, handed in: tokens sit below models)."""
+
+    image_token_id: int
+    column_inputs: tuple[str, ...]
+    dtype: Any
+    tokenizer: Any
+
+    def prompt_positions(self, inputs: dict[str, Any]) -> Any: ...
+
+    def token_rows(self, visual: VisualTokens) -> list[int]: ...
+
+    def positions_for_generate(self, positions: torch.Tensor) -> Any: ...
+
+    def mm_encoder_outputs(
+        self, embeds: list[torch.Tensor], extras: list[dict[str, torch.Tensor]]
+    ) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -105,7 +121,7 @@ class ReducedBatch:
 
 
 def reduce_batch(
-    adapter: ModelAdapter,
+    adapter: ReducibleModel,
     inputs: dict[str, Any],
     visuals: list[VisualTokens],
     prune_keeps: list[float],
@@ -163,7 +179,7 @@ def reduce_batch(
 
 
 def reduce_inputs(
-    adapter: ModelAdapter,
+    adapter: ReducibleModel,
     inputs: dict[str, Any],
     visuals: list[VisualTokens],
     prune_keeps: list[float],

@@ -10,6 +10,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import PurePosixPath
+from typing import Protocol
 
 from PIL import Image, UnidentifiedImageError
 
@@ -17,7 +18,6 @@ from ingest.budget import PixelBounds
 from storage.object_store import ObjectNotFound, ObjectStore
 from storage.token_cache import DEFAULT_NONE_TTL_SECONDS, TokenCache, cache_for_policy
 from worker import metrics
-from worker.models.base import ModelAdapter
 from worker.retry import describe, is_transient
 from worker.tokens.tensors import InvalidVisualTokens, VisualTokens
 
@@ -37,6 +37,22 @@ class EncodeOutcome:
     error: str | None = None
 
 
+class TokenCodec(Protocol):
+    """What the store needs of a model (its adapter, worker.models): the cache key and fingerprint
+    of its preprocessing, the tower, and reading an entry back. Tokens sit below models: the
+    adapter is handed in, never imported here."""
+
+    fingerprint: str
+
+    def fingerprint_for(self, bounds: PixelBounds | None) -> str: ...
+
+    def cache_key(self, image_hash: str, bounds: PixelBounds | None = None) -> str: ...
+
+    def encode(self, images: list[Image.Image], bounds: PixelBounds | None = None) -> list[VisualTokens]: ...
+
+    def decode_tokens(self, data: bytes, fingerprint: str) -> VisualTokens: ...
+
+
 @dataclass
 class EncodeStats:
     tower_calls: int = 0
@@ -49,7 +65,7 @@ class VisualTokenStore:
 
     def __init__(
         self,
-        adapter: ModelAdapter,
+        adapter: TokenCodec,
         cache: TokenCache,
         store: ObjectStore,
         batch_images: int = 8,

@@ -1,4 +1,4 @@
-"""The generate stage: keep the engine full, store each unit's results as soon as they are all in.
+"""The generate loop: keep the engine full, store each unit's results as soon as they are all in.
 
 `GenerateLoop` is driven by one thread. Units come in a job at a time (JobUnits or UnitIds: one
 spec for a submission's units); each is asked the prompts it has no good answer to yet (all of
@@ -14,10 +14,6 @@ Every POLL_SECONDS the jobs in flight are looked up: a job cancelled (`visbatch 
 finished for any reason) has its requests aborted in the engine at once, mid-batch included.
 Nothing of a finished job is stored after that: the storing transaction reads the jobs' states
 first (storage.results.store_results), so answers the engine gave between two polls are dropped.
-
-`GenerateService` runs a loop in its own thread behind a thread-safe inbox: the embedded run's
-encode thread and a fleet worker's task threads submit units and wait (a Future) until their
-results are stored; Celery acknowledges a message only then.
 """
 
 from __future__ import annotations
@@ -25,23 +21,22 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from ingest.spec import JobSpec
 from storage import repository as repo
-from storage.db import Database
 from storage.models import UnitStatus
 from storage.rows import ResultRow, UnitTask
 from worker import metrics
-from worker.retry import describe, failure_message
+from worker.retry import describe
+from worker.stages.generate.requests import Prepared
+from worker.stages.generate.submissions import JobUnits, Submission, Ticket, UnitIds, UnitsOutcome
 from worker.stages.needs import GenerateNeeds
-from worker.tokens.request_builder import Prepared
+from worker.stages.runner import RetriesSpent
 
 log = logging.getLogger(__name__)
 
@@ -50,78 +45,13 @@ FLUSH_SECONDS = 0.5
 POLL_SECONDS = 1.0
 
 
-@dataclass(frozen=True)
-class UnitsOutcome:
-    """What became of the units of one submission."""
-
-    stored: int = 0  # units whose results are stored (and marked done)
-    dropped: int = 0  # units of a job that was cancelled or finished meanwhile
-
-
-class ServiceClosed(RuntimeError):
-    """The service stopped (the worker is shutting down) before these units were answered."""
-
-
-@dataclass(frozen=True)
-class JobUnits:
-    """Units of one job, read already (the embedded run hands on what its encode step wrote)."""
-
-    units: list[UnitTask]
-    spec: JobSpec
-
-    @property
-    def size(self) -> int:
-        return len(self.units)
-
-
-@dataclass(frozen=True)
-class UnitIds:
-    """Units of one job named by id (a fleet message): read, still encoded, with the batch they
-    arrive in."""
-
-    unit_ids: list[int]
-    spec: JobSpec
-
-    @property
-    def size(self) -> int:
-        return len(self.unit_ids)
-
-
-# What `GenerateLoop.add_many` takes: one job's units or their ids, and the ticket whose Future
-# their submitter waits on.
-Submission = tuple["JobUnits | UnitIds", "_Ticket | None"]
-
-
 @dataclass
 class _Work:
     unit: UnitTask
     spec: JobSpec
     waiting: int
     rows: list[ResultRow] = field(default_factory=list)
-    tickets: list[_Ticket] = field(default_factory=list)
-
-
-@dataclass
-class _Ticket:
-    """One submission: its Future resolves once every one of its units is stored or dropped."""
-
-    future: Future
-    left: int
-    stored: int = 0
-    dropped: int = 0
-
-    def fail(self, error: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(error)
-
-    def settle(self, *, stored: bool) -> None:
-        if stored:
-            self.stored += 1
-        else:
-            self.dropped += 1
-        self.left -= 1
-        if self.left == 0 and not self.future.done():
-            self.future.set_result(UnitsOutcome(self.stored, self.dropped))
+    tickets: list[Ticket] = field(default_factory=list)
 
 
 class GenerateLoop:
@@ -131,9 +61,13 @@ class GenerateLoop:
         *,
         window: int | None = None,
         on_jobs_stopped: Callable[[set[str]], None] | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         self.rt = rt
         self.on_jobs_stopped = on_jobs_stopped
+        # Set when the run is being stopped: a database retry's backoff ends at once (the units
+        # stay encoded, and a resume answers them) instead of waiting out minutes of backoff.
+        self.stop = stop
         self._stopped: set[str] = set()  # jobs found finished: their units are refused from now on
         self.engine = rt.engine
         self.builder = rt.requests
@@ -166,7 +100,7 @@ class GenerateLoop:
     def jobs(self) -> set[str]:
         return {w.unit.job_id for w in self._work.values()} | {w.unit.job_id for w in self._answered}
 
-    def add(self, job: JobUnits, ticket: _Ticket | None = None) -> None:
+    def add(self, job: JobUnits, ticket: Ticket | None = None) -> None:
         """Ask each unit the prompts it has no good answer to yet; all of a unit's requests together."""
         self.add_many([(job, ticket)])
 
@@ -181,19 +115,21 @@ class GenerateLoop:
         })  # fmt: skip
         try:
             answered = (
-                self.rt.retry.call(lambda: repo.answered_prompts(self.rt.db, fresh), what="reading answers")
+                self.rt.retry.call(
+                    lambda: repo.answered_prompts(self.rt.db, fresh), what="reading answers", stop=self.stop
+                )
                 if fresh
                 else {}
             )
         except Exception as exc:  # the database stayed away: these units are not taken
             for _, ticket in read:
                 if ticket is not None:
-                    ticket.fail(exc)
+                    ticket.fail(self._spent(exc))
             return
         for job, ticket in read:
             self._add(job, ticket, answered)
 
-    def _read_units(self, batch: list[Submission]) -> list[tuple[JobUnits, _Ticket | None]]:
+    def _read_units(self, batch: list[Submission]) -> list[tuple[JobUnits, Ticket | None]]:
         """The submissions with their units: those named by id read in one query, still encoded
         (a redelivered message's units already done are left out; a submission left with none is
         settled at once)."""
@@ -203,12 +139,14 @@ class GenerateLoop:
         if named:
             try:
                 read = self.rt.retry.call(
-                    lambda: repo.units_by_ids(self.rt.db, named, UnitStatus.ENCODED), what="reading units"
+                    lambda: repo.units_by_ids(self.rt.db, named, UnitStatus.ENCODED),
+                    what="reading units",
+                    stop=self.stop,
                 )
                 units = {u.unit_id: u for u in read}
             except Exception as exc:  # the database stayed away: these submitters hear why
-                error = exc
-        out: list[tuple[JobUnits, _Ticket | None]] = []
+                error = self._spent(exc)
+        out: list[tuple[JobUnits, Ticket | None]] = []
         for req, ticket in batch:
             if isinstance(req, JobUnits):
                 out.append((req, ticket))
@@ -226,7 +164,7 @@ class GenerateLoop:
                 out.append((JobUnits(found, req.spec), ticket))
         return out
 
-    def _add(self, job: JobUnits, ticket: _Ticket | None, answered: dict[int, set[int]]) -> None:
+    def _add(self, job: JobUnits, ticket: Ticket | None, answered: dict[int, set[int]]) -> None:
         spec = job.spec
         refused = [u for u in job.units if u.job_id in self._stopped]
         if refused and ticket is not None:
@@ -311,6 +249,11 @@ class GenerateLoop:
             if work is not None:
                 self._answer(work, dataclasses.replace(self.builder.row(prepared, None, 0.0), error=message))
 
+    def _spent(self, exc: Exception) -> RetriesSpent:
+        """A database error this loop has retried already: its submitter gives it up, never
+        retries it again (worker.stages.runner: retries never nest)."""
+        return RetriesSpent(exc, self.rt.retry.tries_spent(exc))
+
     def request_ids(self) -> list[str]:
         return list(self._requests)
 
@@ -323,19 +266,23 @@ class GenerateLoop:
             units = [(w.unit.job_id, w.unit.unit_id) for w in answered]
             try:
                 stored = self.rt.retry.call(
-                    lambda: repo.store_results(self.rt.db, rows, units), what="storing results"
+                    lambda: repo.store_results(self.rt.db, rows, units),
+                    what="storing results",
+                    stop=self.stop,
                 )
                 self.rt.retry.call(
-                    lambda: repo.close_finished(self.rt.db, stored.remaining), what="closing jobs"
+                    lambda: repo.close_finished(self.rt.db, stored.remaining),
+                    what="closing jobs",
+                    stop=self.stop,
                 )
             except Exception as exc:
                 # The database stayed away through every retry: these units stay encoded, and
-                # their submitters hear why (a fleet task retries them, then gives them up; the
-                # embedded run gives them up at once: `give_up` below, in both).
+                # their submitters hear why, as spent (the runner gives them up, never retries
+                # them again: worker.stages.runner).
                 log.error("could not store the results of %d units: %s", len(answered), describe(exc))
                 for work in answered:
                     for ticket in work.tickets:
-                        ticket.fail(exc)
+                        ticket.fail(self._spent(exc))
             else:
                 kept = [w for w in answered if w.unit.job_id not in stored.refused]
                 self._forget_tokens(answered)
@@ -432,143 +379,3 @@ def _count(rows: list[tuple[str, ResultRow]], units: int) -> None:
             metrics.ERRORS.labels(
                 "generate", "invalid_output" if row.text is not None else "generation"
             ).inc()
-
-
-def _requests(job: JobUnits | UnitIds) -> int:
-    """Requests a submission adds to the engine at most (a unit's prompts)."""
-    return job.size * len(job.spec.prompts)
-
-
-class GenerateService:
-    """A GenerateLoop in its own thread, fed through a thread-safe inbox."""
-
-    def __init__(
-        self,
-        rt: GenerateNeeds,
-        *,
-        window: int | None = None,
-        max_waiting_units: int | None = None,
-        on_jobs_stopped: Callable[[set[str]], None] | None = None,
-    ) -> None:
-        self.loop = GenerateLoop(rt, window=window, on_jobs_stopped=on_jobs_stopped)
-        self._inbox: queue.Queue[tuple[JobUnits | UnitIds, _Ticket]] = queue.Queue()
-        # Backpressure for the embedded run: submit blocks while this many units wait in the inbox.
-        self._room = threading.BoundedSemaphore(max_waiting_units) if max_waiting_units else None
-        self._closing = threading.Event()
-        self._aborted = threading.Event()  # from now on, everything is dropped
-        # Taken to put into the inbox and, by the service thread, to mark it drained for good: a
-        # submission can never land after the last drain, where no one would ever answer it (its
-        # task thread would wait forever, and a warm-stopping worker with it).
-        self._gate = threading.Lock()
-        self._drained = False
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="generate", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: JobUnits | UnitIds) -> Future:
-        """One job's units to answer, or their ids (read with the batch they arrive in, those still
-        encoded); the Future gives a UnitsOutcome once all are stored (or dropped)."""
-        future: Future = Future()
-        size = job.size
-        if not size:
-            future.set_result(UnitsOutcome())
-            return future
-        if self._aborted.is_set():
-            future.set_result(UnitsOutcome(dropped=size))
-            return future
-        if self._closing.is_set():
-            future.set_exception(ServiceClosed("the generate service is closed"))
-            return future
-        if self._room is not None:
-            while not self._room.acquire(timeout=0.2):
-                if self._closing.is_set():
-                    future.set_exception(ServiceClosed("the generate service is closed"))
-                    return future
-        with self._gate:
-            if self._drained:
-                if self._room is not None:
-                    self._room.release()
-                future.set_exception(self.error or ServiceClosed("the generate service stopped"))
-                return future
-            self._inbox.put((job, _Ticket(future, left=size)))
-        return future
-
-    def _take(self, timeout: float) -> bool:
-        """The submissions waiting in the inbox that fit the window (at least one), handed to the
-        loop together: one read of stored answers for all of them (loop.add_many)."""
-        try:
-            batch = [self._inbox.get(timeout=timeout)]
-        except queue.Empty:
-            return False
-        room = self.loop.window - self.loop.in_flight - _requests(batch[0][0])
-        while room > 0:
-            try:
-                batch.append(self._inbox.get_nowait())
-            except queue.Empty:
-                break
-            room -= _requests(batch[-1][0])
-        if self._room is not None:
-            for _ in batch:
-                self._room.release()
-        if self._aborted.is_set():
-            for job, ticket in batch:
-                ticket.future.set_result(UnitsOutcome(dropped=job.size))
-        else:
-            self.loop.add_many(batch)
-        return True
-
-    def _run(self) -> None:
-        loop = self.loop
-        try:
-            while not self._closing.is_set():
-                if self._aborted.is_set() and not loop.idle:
-                    loop.drop_all()
-                while loop.has_room and self._take(0 if not loop.idle else 0.05):
-                    pass
-                loop.step()
-        except BaseException as exc:  # noqa: BLE001 - reported to every waiter and to the driver
-            log.exception("generate service failed")
-            self.error = exc
-            self._closing.set()  # no more submissions: a new service takes over (worker.drivers.tasks)
-        finally:
-            # What was not stored must be done elsewhere: its submitters hear why.
-            loop.drop_all(self.error or ServiceClosed("the generate service stopped"))
-            with self._gate:
-                self._drained = True
-            self._fail_waiting()
-
-    def _fail_waiting(self) -> None:
-        while True:
-            try:
-                _, ticket = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if not ticket.future.done():
-                ticket.future.set_exception(self.error or ServiceClosed("the generate service stopped"))
-
-    def abort_all(self) -> None:
-        """Stop every request in flight now and drop all work from here on (from any thread): the
-        run is being stopped. A transformers batch stops at its next decode step."""
-        self._aborted.set()
-        self.loop.engine.request_abort(self.loop.request_ids())
-
-    def waiting(self) -> int:
-        """Submissions waiting for room in the engine's window."""
-        return self._inbox.qsize()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and not self._closing.is_set()
-
-    def close(self, timeout: float | None = None) -> None:
-        self._closing.set()
-        self._thread.join(timeout)
-
-
-def give_up(db: Database, unit_ids: list[int], exc: BaseException, tries: int) -> dict[str, str]:
-    """The last try failed: the units still waiting for their answers fail with the real cause,
-    the job goes on (both drivers call this). Returns the jobs it closed."""
-    message = failure_message("generate", exc, tries)
-    left = repo.units_by_ids(db, unit_ids, UnitStatus.ENCODED)
-    metrics.ERRORS.labels("generate", "retries_exhausted").inc(len(left))
-    return repo.close_finished(db, repo.fail_units(db, [(u.unit_id, message) for u in left]))

@@ -10,7 +10,8 @@ fleet started at once does not sweep at once), and one of them at a time (a Post
 lock; on SQLite the database file is the lock, and the claim below decides anyway):
 
 1. candidates: fleet jobs `running` whose last progress (jobs.updated_at: every stage moves the
-   job row as it works) and last automatic resume (jobs.resumed_at) are older than the threshold;
+   job row as it works) and last resume (jobs.resumed_at: this watch's or `visbatch resume`'s) are
+   older than the threshold;
 2. a job whose work waits in a queue that still holds messages is left alone (it may be behind
    them: re-sending would only pile duplicates behind the same backlog), and so is one whose
    queue has no worker at all (`visbatch status` says "waiting: no worker on queue ..."); a job
@@ -31,7 +32,7 @@ import logging
 import random
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -41,7 +42,10 @@ from storage import jobs
 from storage.db import Database
 from storage.models import utcnow
 from visbatch.settings import Settings
-from worker.drivers.consumers import QueueState
+from worker.drivers.fleet import heartbeats
+from worker.drivers.fleet.consumers import QueueState
+from worker.drivers.fleet.heartbeats import WorkerCard
+from worker.drivers.fleet.instance import this_instance
 from worker.drivers.job_activity import format_duration
 
 log = logging.getLogger(__name__)
@@ -65,13 +69,13 @@ class Resumed:
 
 def celery_send(stage: str, args: tuple[Any, ...]) -> None:
     """Send by task name (routed to the stage's queue by the app's routes): no task module import."""
-    from worker.drivers.celery_app import TASKS, app
+    from worker.drivers.fleet.celery_app import TASKS, app
 
     app.send_task(TASKS[stage], args=list(args))
 
 
 def broker_states(settings: Settings) -> QueueStates:
-    from worker.drivers.consumers import queue_states
+    from worker.drivers.fleet.consumers import queue_states
 
     return lambda stages: queue_states(settings, stages, timeout=5.0)
 
@@ -194,13 +198,13 @@ def send_outstanding(work: jobs.Outstanding, job_id: str, settings: Settings, se
 
 
 class StallWatch:
-    """A daemon thread: every ~stall_check_s (jittered) it heartbeats the queues this worker
-    consumes (worker.drivers.consumers, Redis) and sweeps for stalled jobs. Never raises."""
+    """A daemon thread: every ~stall_check_s (jittered) it beats this worker's heartbeat (its card:
+    worker.drivers.fleet.heartbeats, the jobs of the tasks in hand with it) and sweeps for stalled jobs.
+    Never raises."""
 
-    def __init__(self, settings: Settings, *, worker: str | None = None, stages: Sequence[str] = ()) -> None:
+    def __init__(self, settings: Settings, *, card: WorkerCard | None = None) -> None:
         self.settings = settings
-        self.worker = worker
-        self.stages = list(stages)
+        self.card = card
         self.stop = threading.Event()
         self._db: Database | None = None
         self.thread = threading.Thread(target=self._run, name="stall-watch", daemon=True)
@@ -211,11 +215,9 @@ class StallWatch:
 
     def close(self) -> None:
         self.stop.set()
-        if self.worker and self.stages:
-            from worker.drivers.consumers import withdraw
-
+        if self.card is not None:
             with contextlib.suppress(Exception):
-                withdraw(self.settings, self.worker, self.stages)
+                heartbeats.withdraw(self.settings, self.card)
 
     def _run(self) -> None:
         # The first beat at once (a worker is consuming from now on), the first sweep after a
@@ -226,16 +228,12 @@ class StallWatch:
             self._sweep()
 
     def _beat(self) -> None:
-        if not (self.worker and self.stages):
+        if self.card is None:
             return
-        from worker.drivers.consumers import announce
-
         try:
-            announce(self.settings, self.worker, self.stages)
+            heartbeats.beat(self.settings, replace(self.card, jobs=jobs_in_hand()))
         except Exception as exc:  # noqa: BLE001 - a missed heartbeat is retried at the next one
-            log.info(
-                "stall watch: could not announce %s's queues: %s: %s", self.worker, type(exc).__name__, exc
-            )
+            log.info("stall watch: no heartbeat for %s: %s: %s", self.card.instance, type(exc).__name__, exc)
 
     def _sweep(self) -> None:
         try:
@@ -260,10 +258,31 @@ _WATCH: StallWatch | None = None
 
 def _stages_of(consumer: Any, settings: Settings) -> list[str]:
     """The stages whose queues a Celery consumer takes messages from."""
-    from worker.drivers.celery_app import QUEUES, queue_name
+    from worker.drivers.fleet.queues import QUEUES, queue_name
 
     names = {q.name for q in consumer.task_consumer.queues}
     return [stage for stage in QUEUES if queue_name(settings, stage) in names]
+
+
+def jobs_in_hand() -> tuple[str, ...]:
+    """The jobs of the tasks this worker runs now (every task's first argument is its job id):
+    Celery's own record of its active requests, kept in the main process for every pool."""
+    from celery.worker import state
+
+    jobs: set[str] = set()
+    for request in list(state.active_requests):
+        with contextlib.suppress(Exception):  # a request without arguments is not a stage's
+            jobs.add(str(request.args[0]))
+    return tuple(sorted(jobs))
+
+
+def _card_of(consumer: Any, settings: Settings) -> WorkerCard:
+    """This worker's card: the one `visbatch worker` made (worker.drivers.fleet.heartbeats), with the
+    node name and queues Celery runs under; a worker started otherwise gets one here."""
+    stages = _stages_of(consumer, settings) if consumer is not None else []
+    name = str(getattr(consumer, "hostname", "") or "")
+    card = heartbeats.this_worker() or heartbeats.card_for_this_process(this_instance(), stages)
+    return replace(card, name=name or card.name, queues=tuple(stages) or card.queues)
 
 
 @worker_ready.connect
@@ -271,8 +290,7 @@ def _start_on_worker_ready(sender: Any = None, **_: Any) -> None:
     global _WATCH
     try:
         settings = Settings()
-        stages = _stages_of(sender, settings) if sender is not None else []
-        _WATCH = StallWatch(settings, worker=getattr(sender, "hostname", None), stages=stages).start()
+        _WATCH = StallWatch(settings, card=_card_of(sender, settings)).start()
     except Exception:  # noqa: BLE001 - a worker without its safety net still works
         log.warning("stall watch: not started", exc_info=True)
 

@@ -14,7 +14,7 @@ How an object goes through (``poll_once``):
    submitted with THAT uri: ingest runs later, on another machine, and the inbox key is deleted
    right after the job exists. The claim id in the path keeps a later upload under the same name
    from overwriting what a queued job still has to read. A path that would not make a valid key
-   (over S3's 1,024 bytes, control characters) is shortened: ``worker.drivers.drop_keys.moved_key``.
+   (over S3's 1,024 bytes, control characters) is shortened: ``worker.drivers.dropfolder.keys.moved_key``.
    Without a done prefix the job gets the inbox uri and the object stays where it is.
    If the copy fails for a reason that may pass (S3 unreachable, throttled, 5xx; the object
    replaced or deleted meanwhile), the claim is given back and a later poll tries again: an
@@ -52,7 +52,7 @@ note goes away then. Upload a folder's spec before its objects (or run without a
 so that objects wait for theirs): an object is claimed with the spec in force when it is seen.
 
 What a watcher refuses to touch (the object store, the token cache, another watcher's folders)
-is ``worker.drivers.drop_guard``'s business: the first poll checks, and refuses to start with one line.
+is ``worker.drivers.dropfolder.guard``'s business: the first poll checks, and refuses to start with one line.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ from storage.errors import is_transient
 from storage.models import ClaimStatus
 from storage.object_store import S3ObjectStore, is_not_found, make_s3_client, parse_s3_url
 from storage.repository import claim_object, find_claim, set_claim
-from worker.drivers.drop_guard import (
+from worker.drivers.dropfolder.guard import (
     MARKER_NAME,
     Area,
     WatcherRefused,
@@ -84,7 +84,7 @@ from worker.drivers.drop_guard import (
     moved_folders,
     s3_area,
 )
-from worker.drivers.drop_keys import ERROR_SUFFIX, display_key, error_key, moved_key
+from worker.drivers.dropfolder.keys import ERROR_SUFFIX, display_key, error_key, moved_key
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ class DropFolderWatcher:
             stop_event.wait(self.poll_seconds)
 
     def start(self) -> Listing:
-        """The first poll's checks (see ``worker.drivers.drop_guard``), then this watcher's markers.
+        """The first poll's checks (see ``worker.drivers.dropfolder.guard``), then this watcher's markers.
         Raises WatcherRefused; returns the listing it made."""
         listing = self._list()
         check_markers(self.client, self.inbox, self.moved, listing.markers)

@@ -10,8 +10,9 @@ generate_units (generate queue) hands its units to the process's generate servic
 
 Every task is idempotent: it only acts on rows still in the state it expects, so a redelivered
 or repeated message changes nothing twice. Whatever takes a job's countdown to 0 closes it
-(fan-in in the database, no chords). Transient errors are retried with backoff (worker.retry);
-a unit or source fails only for a reason retrying cannot fix, or after the last try.
+(fan-in in the database, no chords). What a failed delivery means is the one runner's decision
+(worker.stages.runner), as in the embedded run: retried with backoff while the error is transient
+and tries remain, else given up by its stage (a source or units failed with the cause).
 
 GPU workers run these in a thread pool (`visbatch worker`): task threads mostly wait while one
 engine thread works, and Celery's prefetch then keeps a window of messages in the process.
@@ -38,10 +39,12 @@ from storage.db import Database
 from storage.models import FINISHED_JOB_STATUSES, UnitStatus
 from storage.rows import UnitTask
 from visbatch.settings import Settings
-from worker.drivers.celery_app import app
+from worker.drivers.fleet.celery_app import app
 from worker.retry import RetryPolicy, describe
 from worker.runtime import Runtime
+from worker.stages.failures import ENCODE, GENERATE, INGEST, SourceWork
 from worker.stages.ingest import local_copy
+from worker.stages.runner import GaveUp, Stage, TimeLimitHit, UnitsWork, after_failure, settle
 
 log = logging.getLogger(__name__)
 SETTINGS = Settings()
@@ -112,29 +115,53 @@ def _recent_live_spec(job_id: str) -> JobSpec | None:
 
 
 class StageTask(Task):
-    """Acknowledged after it ran; retried on transient errors (see `retrying`)."""
+    """A stage as a Celery task, acknowledged after it ran. Each delivery is one try under the one
+    runner (worker.stages.runner, through `tried`): its Retry becomes the broker's retry with
+    that countdown, so a worker never sleeps holding a message; its GaveUp ends the task."""
 
     acks_late = True
-    max_retries = SETTINGS.task_max_retries
+    # No cap of Celery's own: the one policy decides (a full disk is waited out past its tries).
+    max_retries = None
+    stage: Stage
+
+    def work(self, args: tuple) -> object:
+        """The stage's work named by the message's arguments."""
+        raise NotImplementedError
+
+    def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
+        # Only what escaped a try: a hard time limit (the pool killed the try), a lost worker.
+        settle(self.stage, self.work(args), _as_stage_error(exc), self.request.retries + 1, _db())
 
 
-def retrying(fn: Callable[..., str]) -> Callable[..., str]:
-    """The task body under the retry policy: a transient error anywhere in it (the database, the
-    store or the broker away) retries the task later with backoff and jitter while tries remain;
-    any other error, or the last transient one, fails it (its on_failure records the cause)."""
+def _as_stage_error(exc: BaseException) -> BaseException:
+    """Celery's time limits as the stages know them (worker.stages.runner.TimeLimitHit)."""
+    if isinstance(exc, SoftTimeLimitExceeded | TimeLimitExceeded):
+        return TimeLimitHit(SETTINGS.task_time_limit)
+    return exc
+
+
+def tried(fn: Callable[..., str]) -> Callable[..., str]:
+    """The task body as one try of its stage: a failure goes to the runner, which decides."""
 
     @functools.wraps(fn)
-    def run(self: Task, *args: object, **kwargs: object) -> str:
+    def run(self: StageTask, *args: object, **kwargs: object) -> str:
         try:
             return fn(self, *args, **kwargs)
         except (Reject, Retry):
             raise
         except Exception as exc:
-            wait = POLICY.next_wait(exc, self.request.retries, what=self.name)
-            if wait is None:
-                raise
+            decision = after_failure(
+                self.stage,
+                self.work(args),
+                _as_stage_error(exc),
+                tries=self.request.retries + 1,
+                policy=POLICY,
+                db=_db(),
+            )
+            if isinstance(decision, GaveUp):
+                return f"gave up: {describe(decision.error)}"
             try:
-                raise self.retry(exc=exc, countdown=wait) from exc
+                raise self.retry(exc=exc, countdown=decision.wait) from exc
             except Reject as unpublished:
                 # Celery could not publish the retry (the broker is away too) and would drop the
                 # message (Reject, requeue=False). Leave it to the broker instead: a requeue, or,
@@ -151,19 +178,15 @@ def retrying(fn: Callable[..., str]) -> Callable[..., str]:
 
 
 class IngestTask(StageTask):
-    def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
-        # Retries are spent or the error is not transient: the source fails, the job goes on.
-        from worker.stages.ingest import give_up
+    stage = INGEST
 
-        timed_out = isinstance(exc, SoftTimeLimitExceeded | TimeLimitExceeded)
-        give_up(_db(), args[1], exc, self.request.retries + 1,
-                time_limit_s=SETTINGS.task_time_limit if timed_out else None)  # fmt: skip
+    def work(self, args: tuple) -> SourceWork:
+        return SourceWork(args[0], args[1], args[2])
 
 
 @app.task(base=IngestTask, bind=True, name="visbatch.ingest_source")
-@retrying
+@tried
 def ingest_source(self: Task, job_id: str, source_id: int, location: str, first: int = 0) -> str:
-    from storage.object_store import ObjectNotFound
     from worker.stages.ingest import ingest_source as ingest_stage
 
     spec = _live_spec(job_id)
@@ -186,16 +209,10 @@ def ingest_source(self: Task, job_id: str, source_id: int, location: str, first:
             encode_units.apply_async((job_id, ids[start : start + SETTINGS.encode_chunk_units]))
 
     selection = UnitSelection(first=first, limit=SETTINGS.ingest_range_units)
-    try:
-        with _INGEST_SLOTS, local_copy(rt, location) as path:
-            # A third of the time limit: slow pages end the range early, never the task.
-            step = ingest_stage(rt, job_id, source_id, source.uri, path, spec, selection=selection,
-                                on_units=send_encode, stop_after_s=SETTINGS.task_time_limit / 3)  # fmt: skip
-    except ObjectNotFound:
-        # Permanent: retrying will not make it appear. The source fails, the job goes on.
-        error = f"not found: {location.removeprefix('store:')}"
-        repo.close_finished(rt.db, repo.complete_source(rt.db, source_id, error=error))
-        return "not found"
+    with _INGEST_SLOTS, local_copy(rt, location) as path:
+        # A third of the time limit: slow pages end the range early, never the task.
+        step = ingest_stage(rt, job_id, source_id, source.uri, path, spec, selection=selection,
+                            on_units=send_encode, stop_after_s=SETTINGS.task_time_limit / 3)  # fmt: skip
     if step.next_position is not None and repo.advance_cursor(rt.db, source_id, first, step.next_position):
         ingest_source.apply_async((job_id, source_id, location, step.next_position))
     return f"{step.units_stored} units"
@@ -204,16 +221,17 @@ def ingest_source(self: Task, job_id: str, source_id: int, location: str, first:
 # --- encode ---------------------------------------------------------------------------------------
 
 
-class EncodeTask(StageTask):
-    def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
-        from worker.stages.encode import give_up
+class UnitsTask(StageTask):
+    def work(self, args: tuple) -> UnitsWork:
+        return UnitsWork(args[0], list(args[1]))
 
-        if _live_spec(args[0]) is not None:  # a finished job's units are left as they are
-            give_up(_db(), args[1], exc, self.request.retries + 1)
+
+class EncodeTask(UnitsTask):
+    stage = ENCODE
 
 
 @app.task(base=EncodeTask, bind=True, name="visbatch.encode_units")
-@retrying
+@tried
 def encode_units(self: Task, job_id: str, unit_ids: list[int]) -> str:
     from worker.stages.encode import encode_units as encode_stage
 
@@ -272,15 +290,12 @@ def _on_shutdown(**_: object) -> None:
         _close_service(rt)
 
 
-class GenerateTask(StageTask):
-    def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
-        from worker.stages.generate import give_up
-
-        give_up(_db(), args[1], exc, self.request.retries + 1)
+class GenerateTask(UnitsTask):
+    stage = GENERATE
 
 
 @app.task(base=GenerateTask, bind=True, name="visbatch.generate_units")
-@retrying
+@tried
 def generate_units(self: Task, job_id: str, unit_ids: list[int]) -> str:
     from worker.stages.generate import ServiceClosed, UnitIds
 

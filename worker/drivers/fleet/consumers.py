@@ -6,9 +6,9 @@ RabbitMQ knows its consumers: a passive queue declare answers with the queue's m
 consumer counts in one round trip. Redis has none to ask (workers poll its lists), and Celery's
 broadcast `inspect` costs its whole timeout and goes unanswered by a worker busy in a solo pool; so
 on Redis each worker announces the queues it consumes (a sorted set per queue in the broker Redis,
-member = the worker, score = its last heartbeat), from the thread that looks for stalled jobs
-(worker.drivers.stall_watch), and takes itself out on a warm shutdown. A worker killed outright drops out
-once its heartbeat is FRESH_S old.
+member = the worker's instance id, score = its last heartbeat; worker.drivers.fleet.heartbeats), from the
+thread that looks for stalled jobs (worker.drivers.fleet.stall_watch), and takes itself out on a warm
+shutdown. A worker killed outright drops out once its heartbeat is FRESH_S old.
 
 Every call here is bounded by a timeout of about a second and answers None when the broker cannot
 tell: a warning that cannot be given is left out, never a submit slowed or failed (a broker that is
@@ -24,9 +24,9 @@ from typing import Any
 
 from visbatch.settings import Settings
 
-# A worker heartbeats every stall_check_s (30 s, jittered up to 1.5x): three of them may be missed
-# before it counts as gone.
-FRESH_S = 135.0
+# The consumer sets and their freshness are the heartbeats' (which import nothing of the drivers).
+from worker.drivers.fleet.heartbeats import FRESH_S, add_consumer, consumers_key, is_redis
+
 # Kombu's Redis transport keeps one list per priority step: the queue's name, then name + sep + step.
 _REDIS_PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
 
@@ -35,15 +35,6 @@ _REDIS_PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
 class QueueState:
     messages: int  # waiting to be taken (not counting those a worker holds unacknowledged)
     consumers: int  # workers consuming it (Redis: workers whose heartbeat is fresh)
-
-
-def is_redis(url: str) -> bool:
-    return url.split("://", 1)[0] in ("redis", "rediss")
-
-
-def consumers_key(settings: Settings, stage: str) -> str:
-    """The sorted set of the workers consuming a stage's queue (Redis), under the fleet's prefix."""
-    return f"{settings.broker_prefix}visbatch.consumers.{stage}"
 
 
 def _redis(settings: Settings, timeout: float) -> Any:
@@ -57,7 +48,7 @@ def queue_states(
 ) -> dict[str, QueueState] | None:
     """Messages waiting and consumers of each stage's queue; None when the broker cannot tell
     (unreachable within `timeout`, or a transport this does not know)."""
-    from worker.drivers.celery_app import is_amqp
+    from worker.drivers.fleet.queues import is_amqp
 
     try:
         if is_redis(settings.broker_url):
@@ -93,7 +84,7 @@ def _redis_states(settings: Settings, stages: Sequence[str], timeout: float) -> 
 def _amqp_states(settings: Settings, stages: Sequence[str], timeout: float) -> dict[str, QueueState]:
     from kombu import Connection
 
-    from worker.drivers.celery_app import queue_name
+    from worker.drivers.fleet.queues import queue_name
 
     states: dict[str, QueueState] = {}
     with Connection(settings.broker_url, connect_timeout=timeout) as conn:
@@ -140,12 +131,7 @@ def announce(settings: Settings, worker: str, stages: Iterable[str], *, timeout:
     client = _redis(settings, timeout)
     try:
         pipe = client.pipeline(transaction=False)
-        now = time.time()
-        for stage in stages:
-            key = consumers_key(settings, stage)
-            pipe.zadd(key, {worker: now})
-            pipe.zremrangebyscore(key, "-inf", now - FRESH_S)  # workers that died without a word
-            pipe.expire(key, int(FRESH_S * 2))  # a fleet that is gone leaves nothing behind
+        add_consumer(pipe, settings, worker, stages)
         pipe.execute()
     finally:
         client.close()

@@ -31,7 +31,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from storage.db import Database
-from worker.drivers.drop_keys import display_key
+from worker.drivers.dropfolder.keys import display_key
 
 MARKER_NAME = ".visbatch-watcher.json"
 MAX_MOVED_CANDIDATES = 1000  # claim ids looked up at start: enough to recognise a moved folder

@@ -54,7 +54,7 @@ def resolve_inputs(rt: Runtime, inputs: list[str]) -> list[SourceInput]:
 
 
 def enqueue_ingest(job_id: str, sources: list[SourceToIngest]) -> None:
-    from worker.drivers.tasks import ingest_source
+    from worker.drivers.fleet.tasks import ingest_source
 
     for source in sources:
         ingest_source.apply_async((job_id, source.source_id, source.location))
@@ -81,7 +81,7 @@ CONSUMER_CHECK_TIMEOUT_S = 0.5
 def missing_workers_warning(settings: Settings) -> str | None:
     """A line to show when no worker consumes a queue a job needs (its job then waits), with the
     command that starts one; None when every queue has a worker or the broker cannot tell."""
-    from worker.drivers.consumers import stages_without_consumer, start_hint
+    from worker.drivers.fleet.consumers import stages_without_consumer, start_hint
 
     missing = stages_without_consumer(settings, JOB_STAGES, timeout=CONSUMER_CHECK_TIMEOUT_S)
     if not missing:

@@ -6,7 +6,7 @@ Settings that come from real incidents (see DESIGN.md):
 - the Redis visibility timeout is above the hard time limit, or Redis would hand a task that
   is still running to a second worker (celery#5935);
 - prefetch 1 per pool slot: a CPU worker holds only what its processes run, and a GPU worker's
-  thread pool holds exactly the window of units its engine works on (worker.drivers.tasks);
+  thread pool holds exactly the window of units its engine works on (worker.drivers.fleet.tasks);
 - JSON serialization only: no pickle anywhere, tensors travel through the token cache.
 
 Brokers: RabbitMQ (recommended) hands an unacknowledged message to another worker as soon as its
@@ -21,28 +21,10 @@ from celery import Celery
 
 from storage import usage
 from visbatch.settings import Settings
-from worker.drivers import broker_redis
+from worker.drivers.fleet import broker_redis
+from worker.drivers.fleet.queues import QUEUES, TASKS, is_amqp, is_plain_redis, queue_name
 
-QUEUES = ("ingest", "encode", "generate")
-TASKS = {
-    "ingest": "visbatch.ingest_source",
-    "encode": "visbatch.encode_units",
-    "generate": "visbatch.generate_units",
-}
-
-
-def queue_name(settings: Settings, stage: str) -> str:
-    """The broker queue of a stage (prefixed on RabbitMQ, where key prefixes do not exist)."""
-    return f"{settings.broker_prefix}{stage}" if is_amqp(settings.broker_url) else stage
-
-
-def is_amqp(url: str) -> bool:
-    return url.split("://", 1)[0] in ("amqp", "amqps", "pyamqp")
-
-
-def is_plain_redis(url: str) -> bool:
-    return url.split("://", 1)[0] == "redis"
-
+__all__ = ["QUEUES", "TASKS", "app", "is_amqp", "is_plain_redis", "make_celery", "queue_name"]
 
 UNACKED_MUTEX_EXPIRE_S = 10
 
@@ -53,7 +35,16 @@ def make_celery(settings: Settings) -> Celery:
             f"VISBATCH_VISIBILITY_TIMEOUT ({settings.visibility_timeout}s) must be above "
             f"VISBATCH_TASK_TIME_LIMIT ({settings.task_time_limit}s), or Redis redelivers running tasks"
         )
-    app = Celery("visbatch", broker=settings.broker_url, include=["worker.drivers.tasks"])
+    app = Celery(
+        "visbatch",
+        broker=settings.broker_url,
+        include=[
+            "worker.drivers.fleet.tasks",
+            # Every worker runs the safety net for stuck jobs once it is ready (a thread); loaded
+            # with the tasks at worker start, so that the app imports neither (no import circle).
+            "worker.drivers.fleet.stall_watch",
+        ],
+    )
     transport = {
         "visibility_timeout": settings.visibility_timeout,
         "unacked_restore_interval": settings.unacked_restore_interval,
@@ -86,7 +77,8 @@ def make_celery(settings: Settings) -> Celery:
         task_time_limit=settings.task_time_limit,
         task_soft_time_limit=max(1, int(settings.task_time_limit * 0.9)),
         broker_transport_options=transport,
-        # redis:// gets kombu's transport with its broker-restart crash fixed (worker.drivers.broker_redis).
+        # redis:// gets kombu's transport with its broker-restart crash fixed
+        # (worker.drivers.fleet.broker_redis).
         **({"broker_transport": broker_redis.TRANSPORT} if is_plain_redis(settings.broker_url) else {}),
         broker_connection_retry_on_startup=True,
         task_default_queue=queue_name(settings, "ingest"),
@@ -99,6 +91,3 @@ def make_celery(settings: Settings) -> Celery:
 
 app = make_celery(Settings())
 usage.watch_celery()  # capacity tests only: a no-op unless VISBATCH_USAGE_DIR
-
-# Every worker runs the safety net for stuck jobs once it is ready (a thread; worker.drivers.stall_watch).
-import worker.drivers.stall_watch  # noqa: E402, F401
