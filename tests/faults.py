@@ -1,5 +1,6 @@
 """Real faults for the fleet tests: a TCP proxy that can cut a service off, and a throwaway
-Redis server that can be restarted. Only loopback addresses are used."""
+Redis server that can be restarted. Only loopback addresses are used, but for a proxy that a
+test's own network namespace reaches (tests/test_two_hosts.py)."""
 
 from __future__ import annotations
 
@@ -43,11 +44,15 @@ def free_port() -> int:
 
 
 class TCPProxy:
-    """Forwards 127.0.0.1:port to a target. `cut()` drops every connection and refuses new ones
-    (the service is "down" for the client), `restore()` brings it back."""
+    """Forwards listen_host:port (127.0.0.1 unless given) to a target. `cut()` drops every
+    connection and refuses new ones (the service is "down" for the client), `restore()` brings it
+    back."""
 
-    def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, target_port: int, target_host: str = "127.0.0.1", listen_host: str = "127.0.0.1"
+    ) -> None:
         self.target = (target_host, target_port)
+        self.listen_host = listen_host
         self.port = free_port()
         self._up = threading.Event()
         self._stop = threading.Event()
@@ -62,7 +67,7 @@ class TCPProxy:
         server = socket.socket()
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            server.bind(("127.0.0.1", self.port))
+            server.bind((self.listen_host, self.port))
         except OSError:
             server.close()
             raise

@@ -71,14 +71,17 @@ class Fleet:
     def set(self, **values: str) -> None:
         self.env.update({f"VISBATCH_{k.upper()}": v for k, v in values.items()})
 
-    def start_worker(self, queues: str, *extra: str, wrap: Sequence[str] = ()) -> subprocess.Popen:
+    def start_worker(
+        self, queues: str, *extra: str, wrap: Sequence[str] = (), env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         """`visbatch worker --queues QUEUES EXTRA...`, under `wrap` when given (a command that runs
-        its arguments, e.g. `unshare ...`: a worker in its own namespaces, as in a container)."""
+        its arguments, e.g. `unshare ...`: a worker in its own namespaces, as in a container), with
+        `env` over the fleet's (another host's addresses of the same services)."""
         log = open(self.tmp / f"worker-{len(self.workers)}-{queues.replace(',', '-')}.log", "w")  # noqa: SIM115
         options = extra or ("--no-metrics",)
         proc = subprocess.Popen(
             [*wrap, VISBATCH, "worker", "--queues", queues, "--loglevel", "INFO", *options],
-            env=self.env,
+            env={**self.env, **(env or {})},
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
