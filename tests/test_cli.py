@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.media import write_pdf, write_video
+from worker.cli.exits import EXIT_PARTIAL
 from worker.cli.main import app
-from worker.errors import EXIT_PARTIAL
 
 pytestmark = pytest.mark.slow
 
@@ -152,6 +152,14 @@ def test_results_formats_and_by_document(env, tmp_path):
     [markdown] = (tmp_path / "docs").glob("doc.pdf-*.md")
     text = markdown.read_text()
     assert text.startswith("# doc.pdf\n") and text.index("## Page 1") < text.index("## Page 2")
+    # The folder is the job's: written again in place, never mixed with another job's answers.
+    assert _run("results", job, "--by-document", str(tmp_path / "docs")).exit_code == 0
+    (env / "other.pdf").write_bytes((env / "doc.pdf").read_bytes())
+    other = _job_id(_run("run", str(env / "other.pdf"), "-p", "Hi", "--max-new-tokens", "1"))
+    mixed = _run("results", other, "--by-document", str(tmp_path / "docs"))
+    assert mixed.exit_code == 2, mixed.output
+    assert f"holds the answers of job {job}" in mixed.stderr and "another folder" in mixed.stderr
+    assert sorted(p.name for p in (tmp_path / "docs").iterdir()) == [".visbatch-job", markdown.name]
 
 
 def test_status_errors_count_pages_from_1_and_name_the_prompt(env):

@@ -501,7 +501,7 @@ def test_16_run_submit_and_plan_declare_the_same_job_options():
     from typer.main import get_command
 
     from worker.cli.main import app
-    from worker.options import INGEST_OPTIONS, INPUT_OPTIONS, MODEL_OPTIONS
+    from worker.job_options import INGEST_OPTIONS, INPUT_OPTIONS, MODEL_OPTIONS
 
     group = get_command(app)
     commands = {name: group.get_command(None, name) for name in group.list_commands(None)}  # type: ignore[attr-defined]

@@ -10,6 +10,8 @@ anywhere (test_no_import_circle: the ones still to break are listed with their i
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -90,8 +92,8 @@ def test_the_lower_layers_import_only_below_them(layer, allowed):
 @pytest.mark.parametrize(
     "core",
     [
-        "worker.runtime", "worker.retry", "worker.metrics", "worker.errors", "worker.options",
-        "worker.budget_options", "worker.results_export", "worker.stages", "worker.engines",
+        "worker.runtime", "worker.retry", "worker.metrics", "worker.errors", "worker.job_options",
+        "worker.results_export", "worker.stages", "worker.engines",
         "worker.models", "worker.tokens", "worker.planning", "worker.review",
     ],
 )  # fmt: skip
@@ -136,6 +138,41 @@ def test_one_engine_per_file_and_no_sibling_imports():
         and not any(_within(name, s) for s in ENGINE_SHARED)
     ]  # fmt: skip
     assert crossing == []
+
+
+def _imports_typer(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] == "typer":
+                return True
+        elif isinstance(node, ast.Import) and any(a.name.split(".")[0] == "typer" for a in node.names):
+            return True
+    return False
+
+
+def test_only_the_cli_imports_typer():
+    """The command line is one package (issue 33): the job options and the errors a person is told
+    are plain data below it, shared with the Python API, so that no other layer can print or exit."""
+    importers = [
+        _module_name(path)
+        for package in PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if "versions" not in path.parts and _imports_typer(path)
+    ]
+    assert importers and all(_within(m, "worker.cli") for m in importers), importers
+
+
+def test_import_visbatch_loads_no_command_line():
+    """A notebook's `import visbatch` (and the API's job options and errors) pulls no typer, click
+    or rich, and none of the command line's modules."""
+    code = (
+        "import sys, visbatch, visbatch.api, worker.job_options, worker.errors\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('typer', 'click', 'rich')"
+        " or m.startswith('worker.cli')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_stages_take_what_they_need_not_the_runtime():

@@ -19,12 +19,12 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from visbatch.settings import Settings
+from worker.cli.exits import EXIT_UNAVAILABLE
 from worker.cli.main import app
 from worker.cli.workers import shown_duration, worker_records, workers_table
 from worker.drivers.fleet import heartbeats
 from worker.drivers.fleet.consumers import queue_states
 from worker.drivers.fleet.heartbeats import WorkerCard
-from worker.errors import EXIT_UNAVAILABLE
 
 JOB = "3f2a9c01" + "0" * 24
 

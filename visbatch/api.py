@@ -1,6 +1,6 @@
 """The Python API's code (re-exported by the ``visbatch`` package, whose docstring shows its use).
 
-The same code as the command line: the job's options are the CLI's (worker.options, as
+The same code as the command line: the job's options are the CLI's (worker.job_options, as
 keyword arguments: ``longest_side=``, ``fps=``, ``detail=``, ``max_new_tokens=`` ...), the run is
 worker.drivers.embedded.EmbeddedRun, submission worker.drivers.fleet.submit, and the answers come from
 storage.repository in the records of `visbatch results` (worker.results_export): ``source``,
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from worker.errors import EXIT_UNAVAILABLE, Unavailable, UserError, explain
+from worker.errors import Unavailable, UserError, explain
 
 if TYPE_CHECKING:
     from worker.runtime import Runtime
@@ -37,8 +37,8 @@ def _as_error(exc: Exception) -> UserError | None:
     error = explain(exc)
     if error is None or error is exc:
         return error
-    kind = Unavailable if error.code == EXIT_UNAVAILABLE else UserError
-    plain = kind(error.message, error.fix, error.code)
+    kind = Unavailable if isinstance(error, Unavailable) else UserError
+    plain = kind(error.message, error.fix)
     plain.original = exc  # type: ignore[attr-defined] - the driver's error, for whoever digs
     return plain
 
@@ -80,17 +80,15 @@ PathLike = str | Path
 
 def _options(prompts: Sequence[str], schema: Any, model: str | None, options: dict[str, Any]) -> Any:
     """The CLI's job options (defaults from their one declaration) with these values."""
-    from worker.options import JOB_GROUPS, JobOptions, options_of
+    from worker.job_options import JOB_GROUPS, JobOptions, options_of
 
-    declared = {opt.name: opt for opt in options_of(JOB_GROUPS, prompt_required=False)}
-    unknown = sorted(set(options) - set(declared) - {"prompt", "schema", "model"})
+    declared = {opt.name for opt in options_of(JOB_GROUPS)} - {"prompt", "schema", "model"}
+    unknown = sorted(set(options) - declared)
     if unknown:
-        allowed = ", ".join(sorted(set(declared) - {"prompt", "schema", "model"}))
+        allowed = ", ".join(sorted(declared))
         raise TypeError(f"unknown option(s) {', '.join(unknown)}; the job options are: {allowed}")
-    values = {name: (None if opt.default is ... else opt.default) for name, opt in declared.items()}
     # A schema is a dict, or the path of its file (read and checked like --schema).
-    values.update(options, prompt=list(prompts), model=model, schema=schema)
-    return JobOptions(values, python=True)
+    return JobOptions.with_defaults({**options, "prompt": list(prompts), "model": model, "schema": schema})
 
 
 def _spec(job_options: Any) -> Any:
@@ -271,7 +269,9 @@ class Job:
 
         state = repo.job_state(self._rt.db, self.id)
         as_json = bool(state and state[1].get("json_schema") is not None)
-        return write_by_document(self.results(), Path(out_dir), self.prompts, as_json=as_json)
+        return write_by_document(
+            self.results(), Path(out_dir), self.prompts, as_json=as_json, job_id=self.id
+        )
 
     @_plain_errors
     def wait(self, timeout: float | None = None, poll_seconds: float = 1.0) -> Job:

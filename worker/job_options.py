@@ -1,63 +1,45 @@
 """The job options, declared once for `run`, `submit`, `plan` (and `ingest`) and the Python API.
 
-A job option is declared here once, in its group (inputs, prompt, schema, model, ingest,
-sampling, budget); a command takes the groups it needs with ``@job_options(...)`` and gets ONE
-parameter, a ``JobOptions``, that builds the ``JobSpec`` (one place, one validation: the spec's
-own) and names the option at fault when a value is refused. Adding a flag is one ``Opt`` line
-in its group (an ingest option that is an ``IngestOptions`` field needs nothing else). The
-Python API (visbatch.api) takes the same options as keyword arguments and refuses a value as the
-command does (tests/test_python_api.py).
-
-How: the decorator rewrites the command's signature (Typer reads ``inspect.signature``), putting
-the groups' parameters where the command has its ``job: JobOptions`` parameter, and gathers
-their values back into that one object before calling the command.
+A job option is one ``Opt`` here, in its group (inputs, prompt, schema, model, ingest, sampling,
+budget, cache): its name, type, default, metavar and help, as plain data. The command line binds
+them to typer (worker.cli.job_options: a command takes the groups it needs and gets ONE
+parameter, a ``JobOptions``); the Python API (visbatch.api) takes the same options as keyword
+arguments. Either way ``JobOptions`` builds the ``JobSpec`` (one place, one validation: the
+spec's own) and names the option at fault when a value is refused, as ``--detail ultra`` for the
+command and ``detail='ultra'`` for Python (tests/test_python_api.py). Nothing here imports a
+command-line library: ``import visbatch`` stays free of typer (tests/test_layers.py).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
-
-import typer
+from typing import Any
 
 from ingest.budget import DEFAULT_REDUNDANCY_THRESHOLD, VisualBudget
 from ingest.spec import IngestOptions, JobSpec, Sampling
-from worker.budget_options import (
-    Detail,
-    MaxPixels,
-    MaxTokensPerFrame,
-    MaxTokensPerVideo,
-    MergeKeep,
-    MinPixels,
-    PruneKeep,
-    RedundancyThreshold,
-    SkipFrames,
-)
 from worker.errors import UserError
 
 # The prompt used by `plan` when none is given (it only changes the prompt-token estimate).
 DEFAULT_PLAN_PROMPT = "What is on this page or frame? Answer in one sentence."
 
+REQUIRED = ...  # an Opt's default when the option must be given
+
 
 @dataclass(frozen=True)
 class Opt:
-    """One command-line option: its Python name, its Typer annotation and default, its group."""
+    """One job option. ``type`` is the Python type of its value (``int | None``, ``list[str]``
+    for a repeatable one); ``flags`` are its spellings when not just ``--name`` (a short form,
+    or ``--on/--off`` for a switch)."""
 
     name: str
-    annotation: Any
+    type: Any
     default: Any = None
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-
-def _opt(metavar: str, help: str, **extra: Any) -> Any:
-    return typer.Option(metavar=metavar, help=help, **extra)
+    metavar: str | None = None
+    help: str = ""
+    flags: tuple[str, ...] = ()
+    show_default: bool = True
 
 
 # --- the groups --------------------------------------------------------------------------------
@@ -66,71 +48,53 @@ def _opt(metavar: str, help: str, **extra: Any) -> Any:
 INPUT_OPTIONS: tuple[Opt, ...] = (
     Opt(
         "include",
-        Annotated[
-            list[str] | None,
-            typer.Option(
-                metavar="GLOB",
-                help="In walked folders take only files matching GLOB (repeatable; e.g. '*.pdf'). "
-                "Default: files that are PDFs, videos or images by name or content.",
-                show_default=False,
-            ),
-        ],
+        list[str] | None,
+        metavar="GLOB",
+        help="In walked folders take only files matching GLOB (repeatable; e.g. '*.pdf'). "
+        "Default: files that are PDFs, videos or images by name or content.",
+        show_default=False,
     ),
     Opt(
         "exclude",
-        Annotated[
-            list[str] | None,
-            typer.Option(
-                metavar="GLOB",
-                help="In walked folders skip files matching GLOB (repeatable).",
-                show_default=False,
-            ),
-        ],
-    ),  # fmt: skip
+        list[str] | None,
+        metavar="GLOB",
+        help="In walked folders skip files matching GLOB (repeatable).",
+        show_default=False,
+    ),
 )
 
 
 def prompt_option(required: bool) -> Opt:
     help_text = "A question asked of every page, frame and image (repeatable)."
     if required:
-        return Opt(
-            "prompt",
-            Annotated[list[str], typer.Option("--prompt", "-p", metavar="TEXT", help=help_text)],
-            ...,
-        )
+        return Opt("prompt", list[str], REQUIRED, "TEXT", help_text, ("--prompt", "-p"))
     return Opt(
         "prompt",
-        Annotated[
-            list[str] | None,
-            typer.Option(
-                "--prompt", "-p", metavar="TEXT", help=help_text + " Default: a one-sentence description."
-            ),
-        ],
+        list[str] | None,
+        None,
+        "TEXT",
+        help_text + " Default: a one-sentence description.",
+        ("--prompt", "-p"),
     )
 
 
 SCHEMA_OPTIONS: tuple[Opt, ...] = (
     Opt(
         "schema",
-        Annotated[
-            Path | None,
-            typer.Option(metavar="FILE", help="JSON schema file: every answer is JSON constrained to it."),
-        ],
+        Path | None,
+        metavar="FILE",
+        help="JSON schema file: every answer is JSON constrained to it.",
     ),
 )
 
 MODEL_OPTIONS: tuple[Opt, ...] = (
     Opt(
         "model",
-        Annotated[
-            str | None,
-            typer.Option(
-                metavar="ID|DIR",
-                help="Hub id or local folder. Default: $VISBATCH_MODEL, else this folder's "
-                "(`visbatch model use`), else Qwen/Qwen2-VL-2B-Instruct.",
-                show_default=False,
-            ),
-        ],
+        str | None,
+        metavar="ID|DIR",
+        help="Hub id or local folder. Default: $VISBATCH_MODEL, else this folder's "
+        "(`visbatch model use`), else Qwen/Qwen2-VL-2B-Instruct.",
+        show_default=False,
     ),
 )
 
@@ -138,62 +102,90 @@ MODEL_OPTIONS: tuple[Opt, ...] = (
 # (One place: a new option that is an IngestOptions field is this one line; JobOptions.ingest
 # passes it on by name.)
 INGEST_OPTIONS: tuple[Opt, ...] = (
-    Opt("longest_side", Annotated[int | None, _opt("PX", "PDF pages: longest side in pixels.")], 1288),
-    Opt("dpi", Annotated[int | None, _opt("N", "PDF pages: render at N DPI instead.")]),
-    Opt("pages", Annotated[str | None, _opt("RANGES", "PDF pages to take, from 1: '1-3,7'.")]),
-    Opt("fps", Annotated[float | None, _opt("F", "Video: frames sampled per second (default 1.0).")]),
-    Opt("num_frames", Annotated[int | None, _opt("N", "Video: N frames spread evenly (instead of --fps).")]),
-    Opt(
-        "max_frames",
-        Annotated[int, _opt("N", "Video: at most N frames, 64 by default (spread over the whole video).")],
-        64,
-    ),
+    Opt("longest_side", int | None, 1288, "PX", "PDF pages: longest side in pixels."),
+    Opt("dpi", int | None, None, "N", "PDF pages: render at N DPI instead."),
+    Opt("pages", str | None, None, "RANGES", "PDF pages to take, from 1: '1-3,7'."),
+    Opt("fps", float | None, None, "F", "Video: frames sampled per second (default 1.0)."),
+    Opt("num_frames", int | None, None, "N", "Video: N frames spread evenly (instead of --fps)."),
+    Opt("max_frames", int, 64, "N", "Video: at most N frames, 64 by default (spread over the whole video)."),
     Opt(
         "keyframes",
-        Annotated[
-            bool,
-            typer.Option(
-                "--keyframes",
-                help="Video: take the keyframe nearest to each sample when samples are sparser than "
-                "keyframes (near-flat cost on long videos; timestamps are the keyframes').",
-            ),
-        ],
+        bool,
         False,
+        help="Video: take the keyframe nearest to each sample when samples are sparser than "
+        "keyframes (near-flat cost on long videos; timestamps are the keyframes').",
+        flags=("--keyframes",),
     ),
 )
 
 SAMPLING_OPTIONS: tuple[Opt, ...] = (
-    Opt("max_new_tokens", Annotated[int, _opt("N", "Tokens generated at most per answer.")], 256),
-    Opt("temperature", Annotated[float, _opt("T", "Sampling temperature; 0 = greedy.")], 0.0),
-    Opt("top_p", Annotated[float, _opt("P", "Nucleus sampling: the top probability mass kept.")], 1.0),
-    Opt("seed", Annotated[int, _opt("N", "Sampling seed (answers are reproducible).")], 0),
+    Opt("max_new_tokens", int, 256, "N", "Tokens generated at most per answer."),
+    Opt("temperature", float, 0.0, "T", "Sampling temperature; 0 = greedy."),
+    Opt("top_p", float, 1.0, "P", "Nucleus sampling: the top probability mass kept."),
+    Opt("seed", int, 0, "N", "Sampling seed (answers are reproducible)."),
 )
 
+# The visual-token budget (ingest.budget.VisualBudget; docs/budget.md).
 BUDGET_OPTIONS: tuple[Opt, ...] = (
-    Opt("detail", Detail),
-    Opt("min_pixels", MinPixels),
-    Opt("max_pixels", MaxPixels),
-    Opt("max_tokens_per_frame", MaxTokensPerFrame),
-    Opt("max_tokens_per_video", MaxTokensPerVideo),
-    Opt("skip_redundant_frames", SkipFrames, True),
-    Opt("redundancy_threshold", RedundancyThreshold, DEFAULT_REDUNDANCY_THRESHOLD),
-    Opt("prune_keep", PruneKeep, 1.0),
-    Opt("merge_keep", MergeKeep, 1.0),
+    Opt(
+        "detail",
+        str | None,
+        None,
+        "LEVEL",
+        "Visual detail: low, medium, high (at most 256/640/1280 tokens per image) or auto "
+        "(from the prompts: fine text -> high, coarse questions -> low, else medium). "
+        "Default: the model's own resize bounds.",
+    ),
+    Opt("min_pixels", int | None, None, "N", "Processor's min pixels per image (overrides --detail)."),
+    Opt("max_pixels", int | None, None, "N", "Processor's max pixels per image (overrides --detail)."),
+    Opt("max_tokens_per_frame", int | None, None, "N", "At most N visual tokens per page, image or frame."),
+    Opt(
+        "max_tokens_per_video",
+        int | None,
+        None,
+        "N",
+        "At most N visual tokens per video (its frames get smaller).",
+    ),
+    Opt(
+        "skip_redundant_frames",
+        bool,
+        True,
+        help="Video: skip frames that nearly repeat the last kept one (recorded as skipped).",
+        flags=("--skip-redundant-frames/--keep-all-frames",),
+    ),
+    Opt(
+        "redundancy_threshold",
+        float,
+        DEFAULT_REDUNDANCY_THRESHOLD,
+        "D",
+        "Skip a frame below this mean difference (0-255) of 32x32 RGB thumbnails.",
+    ),
+    Opt(
+        "prune_keep",
+        float,
+        1.0,
+        "F",
+        "transformers engine: keep this share of each image's visual tokens (1 = off).",
+    ),
+    Opt(
+        "merge_keep",
+        float,
+        1.0,
+        "F",
+        "transformers engine: merge the most similar neighbouring visual tokens (averaging) until "
+        "this share of each image's tokens is left (1 = off); before --prune-keep.",
+    ),
 )
 
 # Where the job's visual tokens are kept (ingest.spec.CachePolicy; docs/scale.md).
 CACHE_OPTIONS: tuple[Opt, ...] = (
     Opt(
         "cache",
-        Annotated[
-            str,
-            _opt(
-                "POLICY",
-                "Token cache: cold (Redis + S3, or the local folder: kept for reruns and other jobs), "
-                "hot (Redis alone, expires), none (deleted once the page is answered).",
-            ),
-        ],
+        str,
         "cold",
+        "POLICY",
+        "Token cache: cold (Redis + S3, or the local folder: kept for reruns and other jobs), "
+        "hot (Redis alone, expires), none (deleted once the page is answered).",
     ),
 )
 
@@ -209,6 +201,14 @@ GROUPS: dict[str, tuple[Opt, ...]] = {
 # What `run`, `submit` and `plan` take: everything that goes into a job.
 JOB_GROUPS = ("prompt", "inputs", "schema", "model", "ingest", "sampling", "budget", "cache")
 
+
+def options_of(groups: Sequence[str], *, prompt_required: bool = True) -> list[Opt]:
+    opts: list[Opt] = []
+    for group in groups:
+        opts.extend([prompt_option(prompt_required)] if group == "prompt" else GROUPS[group])
+    return opts
+
+
 # A spec field (pydantic's error location) -> the option that sets it, to name it in errors.
 _FIELD_FLAGS = {
     "prompts": "--prompt",
@@ -218,11 +218,19 @@ _FIELD_FLAGS = {
 
 
 class JobOptions:
-    """The values of a command's job options, and the JobSpec they make."""
+    """The values of a command's (or a Python call's) job options, and the JobSpec they make."""
 
     def __init__(self, values: dict[str, Any], *, python: bool = False) -> None:
         self.values = values
         self.python = python  # errors name `detail='ultra'` (Python callers), else `--detail ultra`
+
+    @classmethod
+    def with_defaults(cls, given: dict[str, Any], *, python: bool = True) -> JobOptions:
+        """Every job option at its declared default, then `given` (the Python API's keywords)."""
+        declared = options_of(JOB_GROUPS, prompt_required=False)
+        values = {opt.name: (None if opt.default is REQUIRED else opt.default) for opt in declared}
+        values.update(given)
+        return cls(values, python=python)
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.values.get(name, default)
@@ -272,9 +280,9 @@ class JobOptions:
         try:
             return schema_from_json(Path(path).read_bytes())
         except OSError as exc:
-            raise UserError(f"--schema {path}: cannot read it: {exc.strerror or exc}") from None
+            raise UserError(f"{self._given('schema', path)}: cannot read it: {exc.strerror or exc}") from None
         except SpecError as exc:
-            raise UserError(f"--schema {path}: {exc}") from None
+            raise UserError(f"{self._given('schema', path)}: {exc}") from None
 
     def spec(self, *, default_prompt: str | None = None) -> JobSpec:
         """The JobSpec of these options: checked like every other door's (JobSpec), with the
@@ -293,6 +301,10 @@ class JobOptions:
                 cache=cache,
             )
         )
+
+    def _given(self, name: str, value: Any) -> str:
+        """The option and its value as the caller wrote them."""
+        return f"{name}={value!r}" if self.python else f"--{name.replace('_', '-')} {value}"
 
     def _checked(self, build: Callable[[], Any]) -> Any:
         from pydantic import ValidationError
@@ -323,49 +335,3 @@ def describe_option_error(exc: Any, values: dict[str, Any], *, python: bool = Fa
             where = f"{flag} {value}" if plain else flag
         problems.append(f"{where}: {message[:1].lower()}{message[1:]}")
     return "; ".join(problems) or str(exc)
-
-
-def options_of(groups: Sequence[str], *, prompt_required: bool = True) -> list[Opt]:
-    opts: list[Opt] = []
-    for group in groups:
-        opts.extend([prompt_option(prompt_required)] if group == "prompt" else GROUPS[group])
-    return opts
-
-
-def job_options(
-    *groups: str, prompt_required: bool = True
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Give a command the options of `groups` (default: every job option) in place of its
-    `job: JobOptions` parameter."""
-    chosen = options_of(groups or JOB_GROUPS, prompt_required=prompt_required)
-
-    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        own = inspect.signature(fn, eval_str=True).parameters
-        if "job" not in own:
-            raise TypeError(f"{fn.__name__} needs a `job: JobOptions` parameter")
-        params: list[inspect.Parameter] = []
-        for name, param in own.items():
-            if name != "job":
-                params.append(param.replace(kind=inspect.Parameter.KEYWORD_ONLY))
-                continue
-            params.extend(
-                inspect.Parameter(
-                    opt.name,
-                    inspect.Parameter.KEYWORD_ONLY,
-                    annotation=opt.annotation,
-                    default=inspect.Parameter.empty if opt.default is ... else opt.default,
-                )
-                for opt in chosen
-            )
-
-        @functools.wraps(fn)
-        def command(**kwargs: Any) -> Any:
-            values = {opt.name: kwargs.pop(opt.name) for opt in chosen}
-            return fn(job=JobOptions(values), **kwargs)
-
-        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-        command.__annotations__ = {p.name: p.annotation for p in params}
-        command.job_option_names = [opt.name for opt in chosen]  # type: ignore[attr-defined]
-        return command
-
-    return decorate

@@ -272,12 +272,37 @@ def _document_json(source: str, records: list[dict[str, Any]], prompts: list[str
     return {"source": source, "kind": kind, "prompts": prompts, "pages": pages}
 
 
+# Which job's answers a --by-document folder holds: a second job's files beside the first's
+# would mix two runs' answers under names that do not say which is which.
+JOB_MARKER = ".visbatch-job"
+
+
+def claim_document_folder(out_dir: Path, job_id: str) -> None:
+    """Make `out_dir` this job's: refused (UserError, nothing written) when it holds another
+    job's answers; the same job's are written again in place."""
+    marker = out_dir / JOB_MARKER
+    try:
+        holder = marker.read_text().strip()
+    except FileNotFoundError:
+        holder = None
+    except NotADirectoryError:
+        holder = None  # out_dir is a file: mkdir below says so (exit 2, worker.errors)
+    if holder and holder != job_id:
+        raise UserError(
+            f"{out_dir} holds the answers of job {holder}: job {job_id}'s would be mixed with them",
+            "choose another folder (one per job), or remove that one first",
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    marker.write_text(job_id + "\n")
+
+
 def write_by_document(
-    records: Iterable[dict[str, Any]], out_dir: Path, prompts: list[str], *, as_json: bool
+    records: Iterable[dict[str, Any]], out_dir: Path, prompts: list[str], *, as_json: bool, job_id: str
 ) -> list[Path]:
     """One file per source under `out_dir`, pages in order (records come ordered by source,
-    unit, prompt: storage.results.iter_results); returns the files written."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    unit, prompt: storage.results.iter_results); returns the files written. The folder is the
+    job's alone (claim_document_folder)."""
+    claim_document_folder(out_dir, job_id)
     written = []
     for source, group in groupby(records, key=lambda r: r["source"]):
         items = list(group)

@@ -1,7 +1,7 @@
 """The `visbatch` command group: every command runs inside it.
 
 It does two things for every command, so that no command has to: errors become one or two lines
-and an exit code (worker.errors), and help reads plainly at 80 columns (arguments shown as
+and an exit code (worker.errors, worker.cli.exits), and help reads plainly at 80 columns (arguments shown as
 `PATH...`, not Typer's `{PATH}... <list[Path]>`). It also loads some commands only when they
 are asked for (``lazy_commands``): the way click documents for a command whose module is heavy.
 """
@@ -15,17 +15,16 @@ import typer
 import typer.main
 from typer.core import TyperArgument, TyperGroup
 
-from worker.errors import (
+from worker.cli.exits import (
     EXIT_INTERNAL,
     EXIT_USAGE,
-    UserError,
     debug_enabled,
     end_quietly_on_broken_pipe,
-    explain,
-    first_line,
+    exit_code,
     is_broken_pipe,
     report,
 )
+from worker.errors import UserError, explain, first_line
 
 try:  # typer vendors click (typer._click): its usage errors are not the click package's
     from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
@@ -90,11 +89,13 @@ class VisbatchGroup(TyperGroup):
             if debug_enabled(ctx):
                 raise
             error = explain(exc)
-            if error is None:
-                error = UserError(
-                    f"unexpected {type(exc).__name__}: {first_line(exc)}",
-                    "run again with --debug for the traceback, and report it",
-                    EXIT_INTERNAL,
+            if error is None:  # a bug: said plainly, exit 5
+                report(
+                    UserError(
+                        f"unexpected {type(exc).__name__}: {first_line(exc)}",
+                        "run again with --debug for the traceback, and report it",
+                    )
                 )
+                raise typer.Exit(EXIT_INTERNAL) from None
             report(error)
-            raise typer.Exit(error.code) from None
+            raise typer.Exit(exit_code(error)) from None

@@ -19,9 +19,8 @@ from typing import Any, TextIO
 import typer
 
 from ingest.spec import IngestOptions
+from worker.cli.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_PARTIAL, EXIT_USAGE
 
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130  # the shell's code for Ctrl-C
 UNIT_WORDS = {"pdf": ("page", "pages"), "video": ("frame", "frames"), "image": ("image", "images")}
 
 
@@ -45,7 +44,6 @@ def run_ingest(
     """The body of `visbatch ingest` (declared in worker.cli.run with the other commands' options)."""
     from ingest.export import OutputFolderError, check_output_folder, export_sources
     from ingest.stage import expand_paths
-    from worker.errors import EXIT_FAILED, EXIT_PARTIAL
 
     try:
         check_output_folder(out_dir, overwrite)

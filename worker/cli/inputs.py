@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from worker.errors import UserError
-from worker.options import JobOptions
+from worker.job_options import JobOptions
 
 
 def chosen_files(paths: Sequence[Path], job: JobOptions, *, quiet: bool = False) -> list[Path]:

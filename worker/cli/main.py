@@ -5,8 +5,9 @@ load SQLAlchemy Core and nothing heavier, and no command imports torch before it
 (`run`, `resume`, `worker`). The commands that start work (`run`, `resume`, `submit`, `ingest`,
 `plan`) are declared by the job spec's pydantic models and live in worker.cli.run, imported when
 one of them is asked for. Errors are turned into one or two lines with a documented exit code by
-the command group (worker.errors); job options are declared once (worker.options); what
-is printed, and how in a pipe, is worker.cli.output.
+the command group (worker.errors says what, worker.cli.exits with which code); job options are
+declared once (worker.job_options, bound to typer in worker.cli.job_options); what is printed,
+and how in a pipe, is worker.cli.output.
 """
 
 from __future__ import annotations
@@ -22,16 +23,13 @@ from typing import Annotated, Any
 import typer
 
 from visbatch.settings import Settings
+from worker.cli.exits import DEBUG_META_KEY
 from worker.cli.group import VisbatchGroup
 from worker.cli.output import make_console, print_summary, shown_path, token_lines
 from worker.cli.purge import register as _register_purge
 from worker.cli.review import register as _register_review
 from worker.cli.workers import register as _register_workers
-from worker.errors import (
-    DEBUG_META_KEY,
-    MODEL_FIX,
-    UserError,
-)
+from worker.errors import MODEL_FIX, UserError
 
 
 class _Commands(VisbatchGroup):
@@ -481,7 +479,9 @@ def results(
     records = export_records(iter_results(db, summary["id"]), prompts)
     if by_document is not None:
         as_json = summary["spec"].get("json_schema") is not None
-        written = write_by_document(records, by_document, prompts, as_json=as_json)
+        written = write_by_document(
+            records, by_document, prompts, as_json=as_json, job_id=summary["id"]
+        )
         kind = "JSON" if as_json else "Markdown"
         console.print(f"wrote {len(written)} {kind} file(s), one per source, to {by_document}")
         return

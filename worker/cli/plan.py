@@ -15,10 +15,11 @@ from rich.table import Table
 from rich.text import Text
 
 from visbatch.settings import Settings
+from worker.cli.job_options import job_options
 from worker.cli.main import console
 from worker.cli.output import is_terminal, model_origin
-from worker.errors import UserError
-from worker.options import DEFAULT_PLAN_PROMPT, JobOptions, job_options
+from worker.errors import Unavailable, UserError
+from worker.job_options import DEFAULT_PLAN_PROMPT, JobOptions
 from worker.planning.fleet_sizing import S3_USD_PER_1000_GET, S3_USD_PER_1000_PUT, S3_USD_PER_GB_MONTH
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ def plan(
     try:
         plan_model = load_plan_model(model, settings.model_revision)
     except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read the config of model {model!r}: {exc}", code=4) from None
+        raise Unavailable(f"cannot read the config of model {model!r}: {exc}") from None
     result = plan_job(
         files,
         spec,

@@ -1,7 +1,7 @@
 """The commands that start work: `run`, `resume`, `submit`, `ingest` and `plan`.
 
 They live apart from worker.cli.main because their options are declared by the job spec (pydantic
-models, worker.options, whose classes are built when imported): the command group imports
+models, worker.job_options, whose classes are built when imported): the command group imports
 this module only when one of them is asked for (or for the full `visbatch --help`), so that
 `status`, `jobs` and `results` do not pay for it. The shared pieces (the consoles, the runtime)
 come from worker.cli.main.
@@ -19,20 +19,14 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
+from worker.cli.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_PARTIAL
 from worker.cli.inputs import check_readable, chosen_files, unreadable_lines
+from worker.cli.job_options import job_options
 from worker.cli.main import JobId, console, make_runtime
 from worker.cli.output import model_origin, print_preview, print_summary, progress_display
 from worker.cli.plan import plan
-from worker.errors import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_PARTIAL,
-    EXIT_UNAVAILABLE,
-    MODEL_FIX,
-    UserError,
-    first_line,
-)
-from worker.options import JobOptions, job_options
+from worker.errors import MODEL_FIX, Unavailable, UserError, first_line
+from worker.job_options import JobOptions
 
 app = typer.Typer(rich_markup_mode=None, pretty_exceptions_enable=False)
 
@@ -55,9 +49,7 @@ def _prepare_model(rt: Any, explicit: str | None, *, origin: str | None = None, 
     try:
         rt.adapter.count_visual_tokens(448, 448)
     except Exception as exc:
-        raise UserError(
-            f"cannot load model {rt.model_name!r}: {first_line(exc)}", MODEL_FIX, EXIT_UNAVAILABLE
-        ) from exc
+        raise Unavailable(f"cannot load model {rt.model_name!r}: {first_line(exc)}", MODEL_FIX) from exc
 
 
 _SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
@@ -403,7 +395,7 @@ def _check_broker() -> None:
         if error is None:
             raise
         fix = f"{error.fix}; no job was made: submit again then"
-        raise UserError(error.message, fix, error.code) from exc
+        raise type(error)(error.message, fix) from exc
 
 
 def _wait(rt: Any, job_id: str) -> None:

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
-from worker.errors import EXIT_UNAVAILABLE, UserError, first_line
+from worker.errors import Unavailable, first_line
 
 
 def shown_duration(seconds: float) -> str:
@@ -103,10 +103,9 @@ def workers(
         from storage.db import mask_url
 
         cause = f"{type(exc).__name__}: {first_line(exc)}"
-        raise UserError(
+        raise Unavailable(
             f"cannot reach the broker {mask_url(settings.broker_url)}: {cause}",
             "start it (RabbitMQ or Redis), or set VISBATCH_BROKER_URL",
-            EXIT_UNAVAILABLE,
         ) from None
     records = worker_records(cards)
     if as_json:

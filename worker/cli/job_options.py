@@ -1,0 +1,62 @@
+"""The job options (worker.job_options) as typer options: a command takes the groups it needs.
+
+``@job_options(...)`` gives a command the options of its groups in place of its one
+``job: JobOptions`` parameter. How: the decorator rewrites the command's signature (Typer reads
+``inspect.signature``), putting each option's ``Annotated[type, typer.Option(...)]`` where the
+command has ``job``, and gathers their values back into that one object before calling it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import typer
+
+from worker.job_options import JOB_GROUPS, REQUIRED, JobOptions, Opt, options_of
+
+
+def typer_annotation(opt: Opt) -> Any:
+    """The option as Typer reads it from a parameter's annotation."""
+    option = typer.Option(*opt.flags, metavar=opt.metavar, help=opt.help, show_default=opt.show_default)
+    return Annotated[opt.type, option]
+
+
+def job_options(
+    *groups: str, prompt_required: bool = True
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command the options of `groups` (default: every job option) in place of its
+    `job: JobOptions` parameter."""
+    chosen = options_of(groups or JOB_GROUPS, prompt_required=prompt_required)
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        own = inspect.signature(fn, eval_str=True).parameters
+        if "job" not in own:
+            raise TypeError(f"{fn.__name__} needs a `job: JobOptions` parameter")
+        params: list[inspect.Parameter] = []
+        for name, param in own.items():
+            if name != "job":
+                params.append(param.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+                continue
+            params.extend(
+                inspect.Parameter(
+                    opt.name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    annotation=typer_annotation(opt),
+                    default=inspect.Parameter.empty if opt.default is REQUIRED else opt.default,
+                )
+                for opt in chosen
+            )
+
+        @functools.wraps(fn)
+        def command(**kwargs: Any) -> Any:
+            values = {opt.name: kwargs.pop(opt.name) for opt in chosen}
+            return fn(job=JobOptions(values), **kwargs)
+
+        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return decorate
