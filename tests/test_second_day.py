@@ -379,23 +379,28 @@ def test_compare_at_80_columns_shows_what_tells_the_runs_apart(home, small_run, 
     assert all(re.fullmatch(r"frame at 0:0\d\.000", place) for place in compared + previewed), compared
 
 
-def test_cancel_from_another_terminal_stops_a_run_before_its_first_answer(home, tmp_path):
-    """`visbatch cancel JOB` while the run splits a slow page and loads the model (nothing in the
-    generate loop yet): it stops within seconds, exit 130 (was: the run went on until a page had
-    been encoded and was being answered, 21-25 s here, 15-25 s in the issue)."""
+def _heavy_pdf(folder: Path) -> Path:
+    """Two pages, each ~15 s to render at 1288 px on 2 busy cores: a run still splitting."""
     shapes = slow_shapes()
     doc = pymupdf.open()
-    for n in range(2):  # each page ~15 s to render at 1288 px on 2 busy cores
+    for n in range(2):
         page = doc.new_page(width=595, height=842)
         for _ in range(30):
             page.show_pdf_page(page.rect, shapes, 0)
         page.insert_text((72, 72), f"page {n + 1}")
-    doc.save(str(tmp_path / "heavy.pdf"))
+    doc.save(str(folder / "heavy.pdf"))
     doc.close()
     shapes.close()
+    return folder / "heavy.pdf"
+
+
+def test_cancel_from_another_terminal_stops_a_run_before_its_first_answer(home, tmp_path):
+    """`visbatch cancel JOB` while the run splits a slow page and loads the model (nothing in the
+    generate loop yet): it stops within seconds, exit 130 (was: the run went on until a page had
+    been encoded and was being answered, 21-25 s here, 15-25 s in the issue)."""
     env = _env(home)
     proc = subprocess.Popen(
-        [VISBATCH, "run", str(tmp_path / "heavy.pdf"), "-p", Q1, "--max-new-tokens", "1"],
+        [VISBATCH, "run", str(_heavy_pdf(tmp_path)), "-p", Q1, "--max-new-tokens", "1"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert proc.stdout is not None
@@ -410,3 +415,34 @@ def test_cancel_from_another_terminal_stops_a_run_before_its_first_answer(home, 
     assert took < 12, f"the run ended {took:.1f} s after the cancel"
     status = json.loads(visbatch(env, "status", job, "--json").out)
     assert status["status"] == "cancelled" and status["results"] == 0
+
+
+def test_cancel_stops_a_python_api_run_too(home, tmp_path):
+    """The cancel watch is the embedded driver's, not the command's: a `visbatch.run(...)` in a
+    script stops as `visbatch run` does, and returns its job `cancelled`, nothing answered."""
+    env = _env(home)
+    script = "import sys, visbatch\nprint(visbatch.run([sys.argv[1]], ['Hi'], max_new_tokens=1).status)\n"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(_heavy_pdf(tmp_path))],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    pdf_uri = f"%{tmp_path.name}%heavy.pdf"
+    deadline = time.monotonic() + 60
+    job = None
+    while job is None and time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with sqlite3.connect(home / "visbatch.db", timeout=10) as conn:
+                row = conn.execute("SELECT job_id FROM sources WHERE uri LIKE ?", (pdf_uri,)).fetchone()
+        except sqlite3.OperationalError:  # the run has not made its tables yet
+            row = None
+        job = row[0] if row else None
+        time.sleep(0.2)
+    assert job is not None, proc.communicate(timeout=30)
+    assert visbatch(env, "cancel", job).rc == 0
+    start = time.monotonic()
+    out, err = proc.communicate(timeout=60)
+    took = time.monotonic() - start
+    assert proc.returncode == 0 and out.strip() == "cancelled", err
+    assert took < 12, f"the run ended {took:.1f} s after the cancel (was: once its pages were split)"
+    status = json.loads(visbatch(env, "status", job, "--json").out)
+    assert status["status"] == "cancelled" and status["results"] == 0, status

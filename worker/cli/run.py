@@ -147,46 +147,6 @@ def _stop_on_signals(run: Any) -> Iterator[_Signals]:
             signal.signal(sig, old)
 
 
-CANCEL_POLL_S = 1.0  # how often a run looks whether `visbatch cancel` stopped its job
-
-
-@contextlib.contextmanager
-def _stop_when_cancelled(run: Any) -> Iterator[None]:
-    """`visbatch cancel JOB` from another terminal stops this run, whatever it is doing.
-
-    The generate loop looks at its jobs only while it has requests in flight: a run that is
-    splitting, loading the model or encoding (its first answers can be a batch or more away)
-    went on until then, and one more vision-tower batch. Here the job's row is read every
-    CANCEL_POLL_S from the start; a cancel then stops the run as Ctrl-C does, within the poll
-    and the batch in flight. Only `cancelled` counts: the run's own end (succeeded, partial,
-    failed) is no stop."""
-    import threading
-
-    from storage.jobs import job_state
-
-    ended = threading.Event()
-
-    def watch() -> None:
-        while not ended.wait(CANCEL_POLL_S):
-            job_id = run.job_id
-            if job_id is None or run.stop.is_set():
-                continue
-            try:
-                state = job_state(run.rt.db, job_id)
-            except Exception:  # noqa: BLE001 - the database away: the run says so itself; look again
-                continue
-            if state is not None and state[0] == "cancelled" and not ended.is_set():
-                run.request_stop("cancelled from another process")
-
-    watcher = threading.Thread(target=watch, name="cancel-watch", daemon=True)
-    watcher.start()
-    try:
-        yield
-    finally:
-        ended.set()
-        watcher.join(timeout=CANCEL_POLL_S + 5)
-
-
 def _exit_for(status: str) -> None:
     if status != "succeeded":
         raise typer.Exit(EXIT_PARTIAL if status == "partial" else EXIT_FAILED)
@@ -240,7 +200,7 @@ def _run_embedded(rt: Any, start: Any, metrics_port: int | None = None) -> None:
     embedded = EmbeddedRun(rt)
     # The signal handlers last until the summary is out: a second Ctrl-C there still names the job.
     with _stop_on_signals(embedded) as signals:
-        with progress_display(console) as progress, _stop_when_cancelled(embedded):
+        with progress_display(console) as progress:
             embedded.progress = progress
             if metrics_port is not None:
                 from worker import metrics

@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -52,6 +52,7 @@ T = TypeVar("T")
 
 ENCODE_WAIT_S = 0.05  # an encode batch waits at most this long to fill
 QUEUE_UNITS = 256  # units waiting between two stages, at most (bounds memory)
+CANCEL_POLL_S = 1.0  # how often a run looks whether `visbatch cancel` stopped its job
 
 
 class Progress(Protocol):
@@ -144,9 +145,42 @@ class EmbeddedRun:
     def _execute_held(self, job_id: str, spec: JobSpec, sources: list[SourceToIngest], **kw: Any) -> None:
         """`execute` under the lease taken for it, let go however the run ends."""
         try:
-            self.execute(job_id, spec, sources, **kw)
+            with self._stopped_when_cancelled(job_id):
+                self.execute(job_id, spec, sources, **kw)
         finally:
             self.lease.release()
+
+    @contextlib.contextmanager
+    def _stopped_when_cancelled(self, job_id: str) -> Iterator[None]:
+        """`visbatch cancel JOB` from another terminal stops this run, whatever it is doing, be it
+        the command's or the Python API's.
+
+        The generate loop looks at its jobs only while it has requests in flight: a run that is
+        splitting, loading the model or encoding (its first answers can be a batch or more away)
+        went on until then, and one more vision-tower batch. Here the job's row is read every
+        CANCEL_POLL_S from the start; a cancel then stops the run as Ctrl-C does, within the poll
+        and the batch in flight. Only `cancelled` counts: the run's own end (succeeded, partial,
+        failed) is no stop."""
+        ended = threading.Event()
+
+        def watch() -> None:
+            while not ended.wait(CANCEL_POLL_S):
+                if self.stop.is_set():
+                    continue
+                try:
+                    state = repo.job_state(self.rt.db, job_id)
+                except Exception:  # noqa: BLE001 - the database away: the run says so itself; look again
+                    continue
+                if state is not None and state[0] == "cancelled" and not ended.is_set():
+                    self.request_stop("cancelled from another process")
+
+        watcher = threading.Thread(target=watch, name="cancel-watch", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            ended.set()
+            watcher.join(timeout=CANCEL_POLL_S + 5)
 
     def request_stop(self, reason: str) -> None:
         """Stop as soon as possible (any thread, e.g. a signal handler); the job ends cancelled."""
