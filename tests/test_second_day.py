@@ -22,7 +22,12 @@ from tests.media import slow_shapes, write_pdf, write_video
 from tests.test_first_hour import VISBATCH, Done, _env, _error_lines, _job, visbatch
 
 # Budget: 66 s alone on 2 cores (issue 31's output-path causes added ~15 processes).
-pytestmark = [pytest.mark.slow, pytest.mark.budget(120, reason="one tiny job, ~35 visbatch processes")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.budget(
+        180, reason="one tiny job, ~35 visbatch processes, two runs cancelled while a heavy page renders"
+    ),
+]
 
 Q1, Q2 = "What is on this page or frame?", "Is there a table?"
 
@@ -371,11 +376,12 @@ def test_compare_at_80_columns_shows_what_tells_the_runs_apart(home, small_run, 
         assert re.search(r"\btext\s+\d+/\d+\s+\d+\.\d%\s+0/0\s+0/0$", row), row
     headers = " ".join(tables.split("agreement per prompt", 1)[1].splitlines()[1:3]).split()
     assert {"prompt", "kind", "agree", "agreement", "failed", "no", "answer", "A/B"} <= set(headers)
-    # A frame's place and time as `run` wrote them in its first answers (was: frame 0 at 0:00.000
-    # beside run's frame at 0:00.0).
+    # A frame's place and time in the words `run` wrote its first answers with (was: frame 0 at
+    # 0:00.000 beside run's frame at 0:00.0). Which frames each shows depends on which answers
+    # came first and which differ: the words are compared, not the frames.
     compared = re.findall(r"clip.mp4 +(frame \S+ \S+)", done.out)
     previewed = re.findall(r"clip.mp4 (frame \S+ \S+):", small_run.err)
-    assert set(previewed) & set(compared), (compared, previewed)  # the same words for one frame
+    assert compared and previewed, (done.out, small_run.err)
     assert all(re.fullmatch(r"frame at 0:0\d\.000", place) for place in compared + previewed), compared
 
 
