@@ -269,9 +269,7 @@ class Job:
 
         state = repo.job_state(self._rt.db, self.id)
         as_json = bool(state and state[1].get("json_schema") is not None)
-        return write_by_document(
-            self.results(), Path(out_dir), self.prompts, as_json=as_json, job_id=self.id
-        )
+        return write_by_document(self.results(), Path(out_dir), self.prompts, as_json=as_json, job_id=self.id)
 
     @_plain_errors
     def wait(self, timeout: float | None = None, poll_seconds: float = 1.0) -> Job:

@@ -25,16 +25,6 @@ EXIT_UNAVAILABLE = 4  # something the command needs cannot be reached or found: 
 EXIT_INTERNAL = 5  # a bug in visbatch: the message says so, --debug shows the traceback
 EXIT_INTERRUPTED = 130  # stopped by Ctrl-C or SIGTERM; `visbatch resume JOB` continues
 
-EXIT_CODES = {
-    EXIT_OK: "succeeded (every page/frame answered)",
-    EXIT_PARTIAL: "partial: some sources, pages/frames or answers failed; the rest is stored",
-    EXIT_USAGE: "bad option, argument or input; nothing was started",
-    EXIT_FAILED: "the job failed: not one answer",
-    EXIT_UNAVAILABLE: "a database, broker, object store or model could not be reached or found",
-    EXIT_INTERNAL: "an unexpected error (a bug): run again with --debug and report it",
-    EXIT_INTERRUPTED: "interrupted (Ctrl-C, SIGTERM): the job is cancelled, `visbatch resume JOB` continues",
-}
-
 DEBUG_META_KEY = "visbatch.debug"
 
 

@@ -1,9 +1,10 @@
 """The `visbatch` command group: every command runs inside it.
 
 It does two things for every command, so that no command has to: errors become one or two lines
-and an exit code (worker.errors, worker.cli.exits), and help reads plainly at 80 columns (arguments shown as
-`PATH...`, not Typer's `{PATH}... <list[Path]>`). It also loads some commands only when they
-are asked for (``lazy_commands``): the way click documents for a command whose module is heavy.
+and an exit code (worker.errors, worker.cli.exits), and help reads plainly at 80 columns
+(arguments shown as `PATH...`, not Typer's `{PATH}... <list[Path]>`). It also loads some
+commands only when they are asked for (``lazy_commands``): the way click documents for a command
+whose module is heavy.
 """
 
 from __future__ import annotations

@@ -479,9 +479,7 @@ def results(
     records = export_records(iter_results(db, summary["id"]), prompts)
     if by_document is not None:
         as_json = summary["spec"].get("json_schema") is not None
-        written = write_by_document(
-            records, by_document, prompts, as_json=as_json, job_id=summary["id"]
-        )
+        written = write_by_document(records, by_document, prompts, as_json=as_json, job_id=summary["id"])
         kind = "JSON" if as_json else "Markdown"
         console.print(f"wrote {len(written)} {kind} file(s), one per source, to {by_document}")
         return
