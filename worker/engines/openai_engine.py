@@ -193,6 +193,7 @@ class _Live(NamedTuple):
 
 class OpenAIEngine(VLLMFedEngine):
     name = "openai"
+    plugin_loaded = False  # the server is started by someone else, with or without visbatch
 
     def __init__(self, adapter: ModelAdapter, options: OpenAIOptions) -> None:
         super().__init__(adapter)  # a family vLLM cannot take is refused here

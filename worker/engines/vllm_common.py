@@ -104,6 +104,9 @@ class VLLMFedEngine(StepEngine):
     directly (tests, benchmarks), before anything starts."""
 
     vllm_fed = True
+    # Whether visbatch's vLLM plugin is surely loaded where this engine's vLLM runs: in this
+    # installation (the in-process engine) yes; a server started elsewhere may lack it.
+    plugin_loaded = True
 
     def __init__(self, adapter: ModelAdapter) -> None:
         self.refuse_family(adapter)
@@ -115,6 +118,12 @@ class VLLMFedEngine(StepEngine):
         """VLLMUnsupportedFamily, with the family's reason and the setting to use, when vLLM
         cannot take this adapter's cached tokens."""
         unsupported = getattr(adapter, "vllm_unsupported", None)
+        if not unsupported and getattr(adapter, "vllm_needs_plugin", False) and not cls.plugin_loaded:
+            unsupported = (
+                "vLLM takes its pages of mixed sizes only with visbatch's vLLM plugin loaded, which a "
+                "server started elsewhere may lack (without it, two page sizes in one step kill the "
+                "server); not yet tested against `vllm serve`: use VISBATCH_ENGINE=vllm"
+            )
         if unsupported:
             raise VLLMUnsupportedFamily(
                 f"VISBATCH_ENGINE={cls.name} cannot run {adapter.family}: {unsupported}; "

@@ -16,9 +16,10 @@ unpruned, with a warning (once per engine) and `pruned_tokens=0` in their result
 token count at the source instead (`--detail`, `--max-pixels`), which vLLM takes like any grid.
 Token merging (`budget.merge_keep` < 1) likewise: run unmerged, warned once, `merged_tokens=0`.
 
-Families whose cached tokens vLLM cannot take (`ModelAdapter.vllm_unsupported`: Idefics3,
-InternVL, LLaVA-OneVision) are refused when the engine is built, with the reason;
-`VISBATCH_ENGINE=auto` picks transformers for them. Qwen3-VL needs its tower MODULE present in
+Families whose cached tokens vLLM cannot take (`ModelAdapter.vllm_unsupported`: Idefics3) are
+refused when the engine is built, with the reason; `VISBATCH_ENGINE=auto` picks transformers for
+them. LLaVA-OneVision and InternVL run through visbatch's vLLM plugin (worker.engines.vllm_models),
+which vLLM loads in each of its processes. Qwen3-VL needs its tower MODULE present in
 vLLM (never run) for deepstack: see `worker.models.qwen3_vl` and `ModelAdapter.vllm_llm_options`.
 """
 

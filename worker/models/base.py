@@ -55,6 +55,9 @@ class ModelAdapter(ABC):
     vision_only: bool = False
     # Why the vLLM engine cannot generate for this family from cached tokens (None: it can).
     vllm_unsupported: str | None = "visbatch has no vLLM inputs for this model family"
+    # vLLM takes this family's cached tokens only with visbatch's plugin loaded in it
+    # (worker/engines/vllm_models.py): certain in process, not in a server started elsewhere.
+    vllm_needs_plugin: bool = False
 
     def __init__(self, ref: ModelRef) -> None:
         self.ref = ref

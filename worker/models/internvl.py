@@ -53,11 +53,9 @@ from worker.tokens.tensors import VisualTokens
 class InternVLAdapter(TiledImageAdapter):
     family = "internvl"
     model_class_name = "InternVLForConditionalGeneration"
-    vllm_unsupported = (
-        "vLLM 0.32's InternVL (InternS1) takes the image embeddings of one encoder batch as one "
-        "tensor (image_embeds: ni x tifs x hs), so two pages of different tile grids scheduled "
-        "together kill its engine (ValueError: data contains inconsistent shapes)"
-    )
+    # vLLM takes its cached tokens of any size through visbatch's plugin (engines/vllm_models.py).
+    vllm_unsupported = None
+    vllm_needs_plugin = True
 
     @cached_property
     def processor(self) -> Any:

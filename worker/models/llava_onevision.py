@@ -63,11 +63,9 @@ from worker.tokens.tensors import VisualTokens
 class LlavaOnevisionAdapter(ModelAdapter):
     family = "llava_onevision"
     model_class_name = "LlavaOnevisionForConditionalGeneration"
-    vllm_unsupported = (
-        "vLLM 0.32's LlavaOnevision takes the image embeddings of one encoder batch as one tensor "
-        "(image_embeds: bn x ifs x hs), so two pages of different token counts scheduled together "
-        "kill its engine (ValueError: data contains inconsistent shapes)"
-    )
+    # vLLM takes its cached tokens of any size through visbatch's plugin (engines/vllm_models.py).
+    vllm_unsupported = None
+    vllm_needs_plugin = True
 
     @property
     def anyres_rule(self) -> AnyResRule:

