@@ -283,10 +283,8 @@ def claim_document_folder(out_dir: Path, job_id: str) -> None:
     marker = out_dir / JOB_MARKER
     try:
         holder = marker.read_text().strip()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a new folder; or a file: mkdir says so (exit 2)
         holder = None
-    except NotADirectoryError:
-        holder = None  # out_dir is a file: mkdir below says so (exit 2, worker.errors)
     if holder and holder != job_id:
         raise UserError(
             f"{out_dir} holds the answers of job {holder}: job {job_id}'s would be mixed with them",
