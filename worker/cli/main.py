@@ -451,7 +451,7 @@ def results(
             "--by-document",
             metavar="DIR",
             help="One file per source in DIR, pages in order: Markdown (text answers) or JSON "
-            "(schema answers).",
+            "(schema answers). DIR is this job's alone: another job's is refused.",
         ),
     ] = None,
 ) -> None:
