@@ -17,7 +17,9 @@ from tests.media import write_pdf
 
 HEAVY = ("torch", "transformers")
 # What a command that only reads the database (`status`, `jobs`, `results`) has no use
-# for: the ORM, the job spec's pydantic models (and the commands they declare), pydantic-settings,
+# for: the ORM, the job spec's pydantic models (and the commands they declare), pydantic itself
+# (typer 0.29 coerces every parameter through it: +0.29 s; pyproject keeps typer below it),
+# pydantic-settings,
 # and, on SQLite, the PostgreSQL dialect and its driver; Alembic and the migration scripts (a
 # reading command never migrates: one SELECT of the revision); the Runtime and the repository
 # facade (the modules of claims, sources, units); and every library of another stage or
@@ -27,6 +29,7 @@ NOT_FOR_READING = (
     "sqlalchemy.orm",
     "ingest.spec",
     "worker.cli.run",
+    "pydantic",
     "pydantic_settings",
     "sqlalchemy.dialects.postgresql",
     "psycopg",
