@@ -36,7 +36,9 @@ CONTINUOUS_WINDOW = 256
 @dataclass(frozen=True)
 class EngineRequest:
     prompt_ids: list[int]  # chat prompt, image placeholders expanded
-    visual: VisualTokens
+    # One image's visual tokens, or several images' in the prompt's order (a window of pages or
+    # frames: ModelAdapter.prompt_ids lays them out as the model's processor does).
+    visual: VisualTokens | tuple[VisualTokens, ...]
     cache_key: str  # identifies the image content + preprocessing + model (prefix-cache id)
     max_new_tokens: int
     temperature: float = 0.0
@@ -55,6 +57,22 @@ class EngineRequest:
     @property
     def sampling_key(self) -> tuple[float, float, int]:
         return (self.temperature, self.top_p, self.seed)
+
+    @property
+    def images(self) -> tuple[VisualTokens, ...]:
+        """The request's images in prompt order (one for a page or a frame)."""
+        return self.visual if isinstance(self.visual, tuple) else (self.visual,)
+
+    @property
+    def visual_tokens(self) -> int:
+        return sum(image.num_tokens for image in self.images)
+
+    def single_image(self, what: str) -> VisualTokens:
+        """The one image of a request to `what`, which takes one per request (RequestRejected for
+        several)."""
+        if len(self.images) != 1:
+            raise RequestRejected(f"{len(self.images)} images in one request: {what} takes one per request")
+        return self.images[0]
 
 
 @dataclass(frozen=True)

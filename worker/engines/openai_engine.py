@@ -153,7 +153,8 @@ def image_part(adapter: ModelAdapter, request: EngineRequest) -> dict[str, Any]:
 
     Raises ValueError when the prompt and the visual tokens do not belong together.
     """
-    prompt = adapter.vllm_prompt(request.prompt_ids, request.visual, request.cache_key)
+    image = request.single_image("the openai engine")
+    prompt = adapter.vllm_prompt(request.prompt_ids, image, request.cache_key)
     (uuid,) = prompt["multi_modal_uuids"]["image"]
     fields: dict[str, Any] = {}
     for name, value in prompt["multi_modal_data"]["image"].items():

@@ -161,15 +161,18 @@ class TransformersEngine(StepEngine):
 
         adapter = self.adapter
         model = adapter.model
-        prompts, visuals = [r.prompt_ids for r in requests], [r.visual for r in requests]
+        prompts = [r.prompt_ids for r in requests]
         prune_keeps, merge_keeps = [r.prune_keep for r in requests], [r.merge_keep for r in requests]
         pruned = merged = [0] * len(requests)
         if any(keep < 1.0 for keep in prune_keeps + merge_keeps):  # positions kept: worker.tokens.reduction
+            visuals = [r.single_image("pruning and merging") for r in requests]
             inputs, pruned, merged = adapter.reduced_generation_inputs(
                 prompts, visuals, prune_keeps, merge_keeps
             )
         else:
-            inputs = adapter.generation_inputs(prompts, visuals)
+            # Every image of the batch in order, row by row: each family places them over its
+            # image placeholders in that order (several per row for a window).
+            inputs = adapter.generation_inputs(prompts, [image for r in requests for image in r.images])
         first = requests[0]
         processors = LogitsProcessorList()
         if any(r.json_schema is not None for r in requests):

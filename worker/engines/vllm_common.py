@@ -134,7 +134,8 @@ class VLLMFedEngine(StepEngine):
 def check_request(request: EngineRequest, spec: TokenSpec) -> None:
     """Raise RequestRejected unless the request's visual tokens fit the model exactly."""
     try:
-        request.visual.check(spec)
+        for image in request.images:
+            image.check(spec)
     except InvalidVisualTokens as exc:
         raise RequestRejected(str(exc)) from None
     if request.max_new_tokens < 1:

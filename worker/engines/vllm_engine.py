@@ -192,7 +192,8 @@ class VLLMEngine(VLLMFedEngine):
         self._reductions.check(request)
         try:
             self._check(request)
-            prompt = self.adapter.vllm_prompt(request.prompt_ids, request.visual, request.cache_key)
+            image = request.single_image("the vllm engine")
+            prompt = self.adapter.vllm_prompt(request.prompt_ids, image, request.cache_key)
         except ValueError as exc:  # RequestRejected included
             log.warning("request rejected before vLLM: %s", exc)
             self._ready.append((request_id, Generation.failed(f"rejected before the engine: {exc}")))

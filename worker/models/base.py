@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -159,23 +160,70 @@ class ModelAdapter(ABC):
     def encode(self, images: list[Image.Image], bounds: PixelBounds | None = None) -> list[VisualTokens]:
         """Run the vision tower over a batch of images (resized within `bounds`)."""
 
-    def prompt_ids(self, prompt: str, visual: VisualTokens | None) -> list[int]:
-        """Token ids of the chat prompt with the image first and its placeholders expanded.
+    def prompt_ids(self, prompt: str, visual: VisualTokens | Sequence[VisualTokens] | None) -> list[int]:
+        """Token ids of the chat prompt with the image(s) first and their placeholders expanded.
 
-        The image's layout can shape the prompt (Idefics3 tags every tile), so it takes the
-        visual tokens themselves; None gives the prompt without image placeholders (a count of
-        the text tokens, e.g. for the planner).
+        `visual` is one image's tokens, or several images' in order (a window of pages or frames:
+        one user turn with an image entry each, as the model's own processor lays out several
+        images). The layout can shape the prompt (Idefics3 tags every tile), so it takes the
+        visual tokens themselves; None gives the prompt of one image without its placeholders (a
+        count of the text tokens, e.g. for the planner).
         """
-        if visual is not None and not isinstance(visual, VisualTokens):
+        images: list[VisualTokens | None]
+        if visual is None:
+            images = [None]
+        elif isinstance(visual, VisualTokens):
+            images = [visual]
+        elif isinstance(visual, Sequence) and visual and all(isinstance(v, VisualTokens) for v in visual):
+            images = list(visual)
+        else:
             raise TypeError(
-                "prompt_ids takes the image's VisualTokens (their layout shapes the prompt), "
+                "prompt_ids takes the images' VisualTokens (their layout shapes the prompt), "
                 f"or None for the text alone; got {type(visual).__name__}"
             )
-        return self.template_ids(prompt, visual)
+        return self.template_ids(prompt, images)
+
+    # The processor's placeholder of one image in the chat template's text ("<image>", ...).
+    @property
+    def image_placeholder(self) -> str:
+        return str(self.processor.image_token)
+
+    # Whether the tokenizer adds its special tokens (BOS) to the rendered chat text.
+    add_special_tokens: bool = True
+
+    def template_ids(self, prompt: str, images: list[VisualTokens | None]) -> list[int]:
+        """`prompt_ids` for a checked list of images: the chat template rendered with an image entry
+        per image, each placeholder replaced by that image's own expansion (`image_text`), as the
+        model's processor does it, then tokenized."""
+        placeholder = self.image_placeholder
+        if any(marker in prompt for marker in self.reserved_markers()):
+            raise ValueError("the prompt must not contain image placeholder tokens")
+        content: list[dict[str, str]] = [{"type": "image"} for _ in images]
+        messages = [{"role": "user", "content": [*content, {"type": "text", "text": prompt}]}]
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        parts = text.split(placeholder)
+        if len(parts) != len(images) + 1:
+            raise ValueError(f"the chat template gave {len(parts) - 1} image placeholders for {len(images)}")
+        text = parts[0] + "".join(
+            self.image_text(image) + part for image, part in zip(images, parts[1:], strict=True)
+        )
+        ids = self.tokenizer(text, add_special_tokens=self.add_special_tokens)["input_ids"]
+        expected = sum(v.num_tokens for v in images if v is not None)
+        if ids.count(self.image_token_id) != expected:
+            raise ValueError(
+                f"the prompt has {ids.count(self.image_token_id)} image placeholders, "
+                f"the visual tokens are {expected}"
+            )
+        return ids
+
+    def reserved_markers(self) -> list[str]:
+        """Text a user's prompt must not hold: the processor's image (and video) markers."""
+        return [self.image_placeholder]
 
     @abstractmethod
-    def template_ids(self, prompt: str, visual: VisualTokens | None) -> list[int]:
-        """`prompt_ids` for this family (its arguments already checked)."""
+    def image_text(self, visual: VisualTokens | None) -> str:
+        """What one image's placeholder expands to in the prompt's text, by the processor's own rule
+        (None: the image's frame without its visual tokens)."""
 
     @cached_property
     def image_token_id(self) -> int:

@@ -101,23 +101,9 @@ class Idefics3Adapter(TiledImageAdapter):
             for chunk, grid in zip(chunks, grids, strict=True)
         ]
 
-    def template_ids(self, prompt: str, visual: VisualTokens | None) -> list[int]:
+    def image_text(self, visual: VisualTokens | None) -> str:
         processor = self.processor
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        if text.count(processor.image_token) != 1:
-            raise ValueError("the prompt must not contain image placeholder tokens")
         _, rows, cols = (0, 0, 0) if visual is None else (int(x) for x in visual.grid_thw.view(-1))
         # The processor's own expansion of one image: tile markers, then image_seq_len <image> each.
         expanded = processor.replace_image_token({"rows": [[rows]], "cols": [[cols]]}, 0)
-        if visual is None:
-            expanded = expanded.replace(processor.image_token, "")
-        ids = self.tokenizer(text.replace(processor.image_token, expanded), add_special_tokens=True)[
-            "input_ids"
-        ]
-        if visual is not None and ids.count(self.image_token_id) != visual.num_tokens:
-            raise ValueError(
-                f"the prompt has {ids.count(self.image_token_id)} image placeholders, "
-                f"the visual tokens are {visual.num_tokens}"
-            )
-        return ids
+        return expanded if visual is not None else expanded.replace(processor.image_token, "")

@@ -166,16 +166,23 @@ class LlavaOnevisionAdapter(ModelAdapter):
             out.append(VisualTokens(embeds=embeds.to("cpu", self.dtype).clone(), grid_thw=grid))
         return out
 
-    def template_ids(self, prompt: str, visual: VisualTokens | None) -> list[int]:
-        processor = self.processor
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        if text.count(processor.image_token) != 1 or processor.video_token in text:
-            raise ValueError("the prompt must not contain image or video placeholder tokens")
+    def template_ids(self, prompt: str, images: list[VisualTokens | None]) -> list[int]:
+        if len(images) > 1:
+            # The processor gives each image of a several-image prompt ONE view, padded to a
+            # square (`batch_num_images` > 1: no AnyRes tiles): other pixels than a cache entry's
+            # base view for any image that is not square, so another encode (not built yet).
+            raise ValueError(
+                "several images in one LLaVA-OneVision prompt: each is then one view padded to a "
+                "square, which its cache entry (AnyRes tiles) does not hold"
+            )
+        return super().template_ids(prompt, images)
+
+    def reserved_markers(self) -> list[str]:
+        return [self.image_placeholder, self.processor.video_token]
+
+    def image_text(self, visual: VisualTokens | None) -> str:
         # The processor's expansion of one image: its <image> repeated once per visual token.
-        count = 0 if visual is None else visual.num_tokens
-        expanded = text.replace(processor.image_token, processor.image_token * count)
-        return self.tokenizer(expanded, add_special_tokens=True)["input_ids"]
+        return self.image_placeholder * (0 if visual is None else visual.num_tokens)
 
     # --- vLLM ------------------------------------------------------------------------------
 

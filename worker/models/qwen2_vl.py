@@ -99,18 +99,11 @@ class Qwen2VLAdapter(ModelAdapter):
             for chunk, g in zip(torch.split(merged, sizes), grid, strict=True)
         ]
 
-    def _template_ids(self, prompt: str) -> list[int]:
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    add_special_tokens = False  # the chat template writes every special token itself
 
-    def template_ids(self, prompt: str, visual: VisualTokens | None) -> list[int]:
-        ids = self._template_ids(prompt)
-        at = ids.index(self.image_token_id)
-        if ids.count(self.image_token_id) != 1:
-            raise ValueError("the prompt must not contain image placeholder tokens")
-        count = 0 if visual is None else visual.num_tokens
-        return ids[:at] + [self.image_token_id] * count + ids[at + 1 :]
+    def image_text(self, visual: VisualTokens | None) -> str:
+        # <|vision_start|> and <|vision_end|> are the template's; the pads are one per token.
+        return self.image_placeholder * (0 if visual is None else visual.num_tokens)
 
     def generation_inputs(self, prompts: list[list[int]], visuals: list[VisualTokens]) -> dict[str, Any]:
         input_ids, attention = self.left_padded(prompts)

@@ -85,7 +85,7 @@ class RequestBuilder:
         """The result of one request: its answer (validated against the schema), or its error."""
         unit, spec, request = prepared.unit, prepared.spec, prepared.request
         prompt_tokens = (
-            len(request.prompt_ids) - request.visual.num_tokens
+            len(request.prompt_ids) - request.visual_tokens
             if request is not None
             else self.text_tokens(spec.prompts[prepared.prompt_index])
         )
