@@ -89,6 +89,11 @@ class TCPProxy:
             except OSError:
                 client.close()
                 continue
+            # Both ends blocking, with no timeout: the connect's 5 s would stay on the upstream
+            # socket, and a connection idle for 5 s (a pooled Redis client between two sweeps,
+            # Celery's broadcast channel) would end as if the server had closed it.
+            for sock in (client, upstream):
+                sock.settimeout(None)
             with self._lock:
                 if not self._up.is_set():
                     # Accepted as the cut closed the listener: dropped like the others, not kept
