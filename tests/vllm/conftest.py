@@ -41,6 +41,27 @@ TEST_OPTIONS = dict(gpu_memory_utilization=0.2, max_model_len=4096, max_num_seqs
 SERVER_OPTIONS = {**TEST_OPTIONS, "max_model_len": 16384}
 
 
+def family_engines(family: str, tmp_path_factory) -> Iterator[tuple]:
+    """For a module fixture: a tiny model of `family`, its adapter, an in-process vLLM engine on it
+    (started here: no test's timing includes the start) and the transformers engine, the
+    reference; the vLLM engine closed after the module (one at a time on a CPU)."""
+    require_vllm()
+    from worker.engines.transformers_engine import TransformersEngine
+    from worker.engines.vllm_engine import VLLMEngine, VLLMOptions
+    from worker.models import ModelRef, load_adapter
+    from worker.models.tiny import write_tiny_model
+
+    folder = write_tiny_model(tmp_path_factory.mktemp(f"vllm-{family}"), family=family)
+    adapter = load_adapter(ModelRef(str(folder), device="cpu"))
+    assert adapter.family == family
+    engine = VLLMEngine(adapter, VLLMOptions(**TEST_OPTIONS))
+    engine.llm  # noqa: B018
+    try:
+        yield adapter, engine, TransformersEngine(adapter)
+    finally:
+        engine.close()
+
+
 @pytest.fixture(scope="session")
 def vllm_model_dir(tmp_path_factory) -> Path:
     from worker.models.tiny import write_tiny_model

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.vllm.conftest import TEST_OPTIONS, require_vllm
+from tests.vllm.conftest import family_engines
 from tests.vllm.helpers import SCHEMA, SIZES, assert_same, encode, random_image, request
 from worker.engines import EngineRequest
 from worker.engines.structured import validate_output
@@ -151,19 +151,7 @@ def test_bad_entries_fail_alone_and_the_engine_lives(vllm_engine, hf_engine, vll
 
 @pytest.fixture(scope="module")
 def qwen25(tmp_path_factory) -> Iterator[tuple]:
-    require_vllm()
-    from worker.engines.transformers_engine import TransformersEngine
-    from worker.engines.vllm_engine import VLLMEngine, VLLMOptions
-    from worker.models import ModelRef, load_adapter
-    from worker.models.tiny import write_tiny_model
-
-    folder = write_tiny_model(tmp_path_factory.mktemp("vllm-tiny-25"), family="qwen2_5_vl")
-    adapter = load_adapter(ModelRef(str(folder), device="cpu"))
-    assert adapter.family == "qwen2_5_vl"
-    engine = VLLMEngine(adapter, VLLMOptions(**TEST_OPTIONS))
-    engine.llm  # noqa: B018
-    yield adapter, engine, TransformersEngine(adapter)
-    engine.close()
+    yield from family_engines("qwen2_5_vl", tmp_path_factory)
 
 
 def test_qwen25_images_and_schema(qwen25):

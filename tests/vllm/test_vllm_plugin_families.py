@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.vllm.conftest import TEST_OPTIONS, require_vllm
+from tests.vllm.conftest import family_engines, require_vllm
 from tests.vllm.helpers import SCHEMA, SIZES, assert_same, encode, random_image, request
 
 pytestmark = pytest.mark.budget(300, reason="two vLLM engine starts on a CPU, one per family")
@@ -25,28 +25,16 @@ FAMILIES = ["llava_onevision", "internvl"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family_engines(request, tmp_path_factory) -> Iterator[tuple]:
-    require_vllm()
-    from worker.engines.transformers_engine import TransformersEngine
-    from worker.engines.vllm_engine import VLLMEngine, VLLMOptions
-    from worker.models import ModelRef, load_adapter
-    from worker.models.tiny import write_tiny_model
-
-    folder = write_tiny_model(tmp_path_factory.mktemp(f"vllm-{request.param}"), family=request.param)
-    adapter = load_adapter(ModelRef(str(folder), device="cpu"))
-    assert adapter.family == request.param
-    engine = VLLMEngine(adapter, VLLMOptions(**TEST_OPTIONS))
-    engine.llm  # noqa: B018  (started here: no test's timing includes the start)
-    yield adapter, engine, TransformersEngine(adapter)
-    engine.close()
+def family(request, tmp_path_factory) -> Iterator[tuple]:
+    yield from family_engines(request.param, tmp_path_factory)
 
 
-def test_mixed_sizes_and_a_frame_in_one_step_give_the_transformers_tokens(family_engines, tmp_path):
+def test_mixed_sizes_and_a_frame_in_one_step_give_the_transformers_tokens(family, tmp_path):
     from ingest.units import RenderedImage
     from ingest.video import sample_video_frames
     from tests.media import write_video
 
-    adapter, vllm_engine, hf_engine = family_engines
+    adapter, vllm_engine, hf_engine = family
     clip = write_video(tmp_path / "clip.mp4", seconds=2, size=(320, 240))
     frame = next(f for f in sample_video_frames(clip, fps=1.0, max_frames=2) if isinstance(f, RenderedImage))
     images = [random_image(w, h, seed=60 + i) for i, (w, h) in enumerate(SIZES)] + [frame.image]
@@ -63,8 +51,8 @@ def test_mixed_sizes_and_a_frame_in_one_step_give_the_transformers_tokens(family
     assert_same(vllm_engine.generate(structured), hf_engine.generate(structured))
 
 
-def test_prompts_over_one_page_hit_the_prefix_cache(family_engines):
-    adapter, vllm_engine, hf_engine = family_engines
+def test_prompts_over_one_page_hit_the_prefix_cache(family):
+    adapter, vllm_engine, hf_engine = family
     (vt,) = encode(adapter, [random_image(700, 300, seed=70)])
     prompts = ["What is the total?", "Who is the vendor?", "Is it paid?"]
     key = f"{adapter.family}-prefix"

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.vllm.conftest import TEST_OPTIONS, require_vllm
+from tests.vllm.conftest import family_engines
 from tests.vllm.helpers import SCHEMA, SIZES, assert_same, encode, random_image, request
 from worker.engines.structured import validate_output
 
@@ -26,19 +26,7 @@ pytestmark = pytest.mark.budget(600, reason="two vLLM engine starts on a CPU")
 
 @pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe"])
 def qwen3(request, tmp_path_factory) -> Iterator[tuple]:
-    require_vllm()
-    from worker.engines.transformers_engine import TransformersEngine
-    from worker.engines.vllm_engine import VLLMEngine, VLLMOptions
-    from worker.models import ModelRef, load_adapter
-    from worker.models.tiny import write_tiny_model
-
-    folder = write_tiny_model(tmp_path_factory.mktemp(f"vllm-{request.param}"), family=request.param)
-    adapter = load_adapter(ModelRef(str(folder), device="cpu"))
-    assert adapter.family == request.param
-    engine = VLLMEngine(adapter, VLLMOptions(**TEST_OPTIONS))
-    engine.llm  # noqa: B018  (started here: no test's timing includes the start)
-    yield adapter, engine, TransformersEngine(adapter)
-    engine.close()
+    yield from family_engines(request.param, tmp_path_factory)
 
 
 def test_images_with_deepstack_equal_the_transformers_engine(qwen3):
