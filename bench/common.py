@@ -34,10 +34,18 @@ def results_dir(quick: bool) -> Path:
     return folder
 
 
-def arguments(description: str, default_reps: int = 3, quick_reps: int = 3) -> argparse.Namespace:
+def arguments(
+    description: str,
+    default_reps: int = 3,
+    quick_reps: int = 3,
+    more: Callable[[argparse.ArgumentParser], Any] | None = None,
+) -> argparse.Namespace:
+    """--quick and --reps, and the benchmark's own options (`more` adds them)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="smaller inputs: the whole suite in < 5 min")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per arm (median is reported)")
+    if more is not None:
+        more(parser)
     args = parser.parse_args()
     if args.reps is None:
         args.reps = quick_reps if args.quick else default_reps
