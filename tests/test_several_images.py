@@ -6,11 +6,11 @@ LLaVA-OneVision, whose several-image layout needs another encode (refused, said 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from tests.test_cached_equals_pixels import _random_image, _through_cache
 from worker.engines import EngineRequest, make_engine
 from worker.engines.base import RequestRejected
 from worker.tokens.tensors import VisualTokens
@@ -23,16 +23,6 @@ PROMPT = "What do these pages say?"
 NEW_TOKENS = 12
 # Three pages of different sizes (a window mixes them), the last a thumbnail.
 SIZES = [(448, 448), (700, 300), (56, 56)]
-
-
-def _random_image(width: int, height: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
-
-
-def _cached(adapter, images: list[Image.Image]) -> list[VisualTokens]:
-    # Round-trip through the serialized cache format, as the generate stage reads each entry.
-    return [adapter.decode_tokens(vt.to_bytes(adapter.fingerprint)) for vt in adapter.encode(images)]
 
 
 def _processor_inputs(adapter, images: list[Image.Image]) -> dict:
@@ -60,7 +50,7 @@ def _until_eos(ids: list[int], eos: set[int]) -> list[int]:
 def test_a_window_from_cached_entries_equals_the_processor_with_the_same_images(family_adapter):
     adapter = family_adapter
     images = [_random_image(w, h, seed=20 + i) for i, (w, h) in enumerate(SIZES)]
-    visuals = _cached(adapter, images)
+    visuals = _through_cache(adapter, images)
     if adapter.family == "llava_onevision":
         # Its processor gives each image of a several-image prompt one view padded to a square
         # (no AnyRes tiles): other pixels than the cache entry's base view, refused until built.
@@ -94,7 +84,7 @@ def test_the_order_of_a_windows_images_is_the_prompts(family_model_dir):
 
     adapter = load_adapter(ModelRef(str(family_model_dir("qwen2_vl"))))
     images = [_random_image(w, h, seed=40 + i) for i, (w, h) in enumerate(SIZES[:2])]
-    visuals = _cached(adapter, images)
+    visuals = _through_cache(adapter, images)
     engine = make_engine("transformers", adapter)
     eos = set(adapter.eos_token_ids)
     for order in ([0, 1], [1, 0]):
