@@ -54,6 +54,19 @@ def detect_kind(path: Path) -> SourceKind:
     return "video"
 
 
+def still_kind(path: Path) -> SourceKind | None:
+    """ "pdf" or "image" when the file's first bytes say so; None for anything else (a video,
+    or a file that cannot be read: its own source says why, later)."""
+    try:
+        with Path(path).open("rb") as fh:
+            head = fh.read(HEAD_BYTES)
+    except OSError:
+        return None
+    if _is_image(head):
+        return "image"
+    return "pdf" if PDF_MAGIC in head[:PDF_MAGIC_WINDOW] else None
+
+
 def _is_image(head: bytes) -> bool:
     if head.startswith(b"\x89PNG\r\n\x1a\n"):
         return True

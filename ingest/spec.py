@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ingest.budget import VisualBudget
 from ingest.schema import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, JSONTooDeep, check_schema, loads_json
+from ingest.windows import WINDOW_SYNTAX, WindowPlan, parse_window
 
 __all__ = [
     "MAX_SCHEMA_BYTES",
@@ -115,6 +116,8 @@ class JobSpec(BaseModel):
     budget: VisualBudget = Field(default_factory=VisualBudget)
     # Not part of any cache key: it says where entries are kept and for how long, not what they hold.
     cache: CachePolicy = Field("cold", description="Token cache policy: cold, hot or none.")
+    # Several consecutive units in one prompt (ingest.windows); None: each unit is asked alone.
+    window: str | None = Field(None, description=f"Units one prompt sees: {WINDOW_SYNTAX}.")
 
     @field_validator("prompts")
     @classmethod
@@ -125,6 +128,17 @@ class JobSpec(BaseModel):
             if len(prompt) > 32_000:
                 raise ValueError("a prompt must be under 32,000 characters")
         return prompts
+
+    @field_validator("window")
+    @classmethod
+    def _window(cls, window: str | None) -> str | None:
+        if window is None:
+            return None
+        parse_window(window)  # a ValueError names what is wrong
+        return window.strip().lower()
+
+    def window_plan(self) -> WindowPlan | None:
+        return parse_window(self.window) if self.window is not None else None
 
     @field_validator("json_schema")
     @classmethod

@@ -34,7 +34,7 @@ from storage.results import (
     store_results,
     upsert_results,
 )
-from storage.rows import ResultRow, UnitRow, UnitTask
+from storage.rows import ResultRow, UnitRow, UnitTask, WindowTask
 from storage.sources import (
     SourceState,
     add_source,
@@ -54,6 +54,7 @@ from storage.units import (
     units_by_ids,
     units_in_state,
 )
+from storage.windows import ready_windows, source_unit_ids
 
 __all__ = [
     "DROP_CLAIMS",
@@ -73,6 +74,7 @@ __all__ = [
     "StartedJob",
     "UnitRow",
     "UnitTask",
+    "WindowTask",
     "add_source",
     "add_stage_seconds",
     "add_units",
@@ -99,6 +101,8 @@ __all__ = [
     "mark_units_encoded",
     "pending_sources",
     "preview_results",
+    "ready_windows",
+    "source_unit_ids",
     "release_claim",
     "reopen_job",
     "resolve_job_id",

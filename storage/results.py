@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +15,7 @@ from storage.models import JOBS, RESULTS, SOURCES, UNITS, utcnow
 from storage.rows import ResultRow
 from storage.sql import RESULT_COLUMNS, chunks, dialect_insert, now_param, resolve_in_session
 from storage.units import finish_units_in
+from storage.windows import WindowRule, settle_windows_in
 
 # On a retry everything but identity and created_at is replaced.
 _RESULT_UPDATE_COLUMNS = (
@@ -31,6 +32,9 @@ _RESULT_UPDATE_COLUMNS = (
     "latency_ms",
     "pruned_tokens",
     "merged_tokens",
+    "scope",
+    "unit_to",
+    "turn",
     "updated_at",
 )
 
@@ -53,6 +57,9 @@ def _params(job_id: str, row: ResultRow, now: Any) -> dict[str, Any]:
         "latency_ms": row.latency_ms,
         "pruned_tokens": row.pruned_tokens,
         "merged_tokens": row.merged_tokens,
+        "scope": row.scope,
+        "unit_to": row.unit_to,
+        "turn": row.turn,
         "created_at": now,
         "updated_at": now,
     }
@@ -107,9 +114,12 @@ def store_results(
     db: Database,
     rows: Sequence[tuple[str, ResultRow]],
     finished_units: Sequence[tuple[str, int]] = (),
+    windows: Mapping[tuple[str, int], tuple[WindowRule | None, int]] | None = None,
 ) -> StoredResults:
     """Upsert (job_id, result) pairs and mark `finished_units` ((job_id, unit_id) pairs) done, in
-    one transaction, so a crash never leaves a unit done without its results.
+    one transaction, so a crash never leaves a unit done without its results. `windows`: the
+    (job_id, source_id) of windows answered here, with the job's window plan and prompt count:
+    their units whose windows all have answers are marked done too (storage.windows).
 
     The jobs' states are read first, in the same transaction: once `visbatch cancel` (or anything
     that finishes a job) has committed, no result of that job is stored, whatever the engine had
@@ -122,6 +132,13 @@ def store_results(
         refused = finished_among_in(session, [job_id for job_id, _ in [*rows, *finished_units]])
         jobs = _upsert(db, session, [(job_id, row) for job_id, row in rows if job_id not in refused])
         remaining = finish_units_in(session, [u for job_id, u in finished_units if job_id not in refused])
+        settle = [
+            (source_id, plan, prompts)
+            for (job_id, source_id), (plan, prompts) in (windows or {}).items()
+            if job_id not in refused and plan is not None
+        ]
+        if settle:
+            remaining.update(settle_windows_in(session, settle))
         _stamp_first_result(session, jobs)
     return StoredResults(remaining, refused)
 

@@ -50,6 +50,10 @@ class ResultRow:
     latency_ms: float
     pruned_tokens: int = 0
     merged_tokens: int = 0
+    # A window's answer (ingest.windows): unit_id is its first unit, unit_to its last unit's index.
+    scope: str = "unit"
+    unit_to: int | None = None
+    turn: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,3 +75,42 @@ class UnitTask:
     timestamp: float | None
     min_pixels: int | None = None
     max_pixels: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WindowTask:
+    """Consecutive units of one source asked in one prompt (ingest.windows). Its answers are
+    keyed by its first unit (`anchor`); `units` are those shown, in order (a skipped frame
+    repeats one shown already, and is left out); `failed` says which of its units could not be
+    encoded and why (the window is not asked: its answer is that error)."""
+
+    anchor: UnitTask
+    last: int  # the window's last unit index
+    units: tuple[UnitTask, ...]
+    failed: tuple[str, ...] = ()
+
+    @property
+    def unit_id(self) -> int:
+        return self.anchor.unit_id
+
+    @property
+    def job_id(self) -> str:
+        return self.anchor.job_id
+
+    @property
+    def source_id(self) -> int:
+        return self.anchor.source_id
+
+    @property
+    def visual_tokens(self) -> int:
+        return sum(u.visual_tokens or 0 for u in self.units)
+
+    @property
+    def cache_hit(self) -> bool:
+        return bool(self.units) and all(u.cache_hit for u in self.units)
+
+    @property
+    def cache_key(self) -> None:
+        # Cache policy `none` deletes a unit's entry once it is answered; a unit of a window may
+        # be in the next window too, so its entry is left to the hot tier's short TTL.
+        return None

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Row, Table, literal, select, update
+from sqlalchemy import Connection, Row, Table, case, literal, select, update
 
 from storage.db import Database
 from storage.models import (
@@ -49,6 +49,7 @@ UNFINISHED_UNITS = (UnitStatus.PENDING.value, UnitStatus.ENCODED.value)
 
 # A result record as every reader selects it, from results joined to their units and sources
 # (storage.results' iter_results and previews, storage.jobs' preview per source).
+_WINDOW_END = UNITS.alias("window_end")
 RESULT_COLUMNS = (
     SOURCES.c.uri.label("source"),
     SOURCES.c.kind.label("kind"),
@@ -70,6 +71,17 @@ RESULT_COLUMNS = (
     RESULTS.c.latency_ms.label("latency_ms"),
     RESULTS.c.pruned_tokens.label("pruned_tokens"),
     RESULTS.c.merged_tokens.label("merged_tokens"),
+    # What the answer covers (ingest.windows): a unit, or a window of units (unit .. unit_to),
+    # and the turn; the time of a window's last frame, read only for a window's answer.
+    RESULTS.c.scope.label("scope"),
+    RESULTS.c.unit_to.label("unit_to"),
+    RESULTS.c.turn.label("turn"),
+    case(
+        (RESULTS.c.unit_to.is_(None), UNITS.c.timestamp),
+        else_=select(_WINDOW_END.c.timestamp)
+        .where(_WINDOW_END.c.source_id == UNITS.c.source_id, _WINDOW_END.c.unit_index == RESULTS.c.unit_to)
+        .scalar_subquery(),
+    ).label("timestamp_to"),
 )
 
 _T = TypeVar("_T")

@@ -223,7 +223,7 @@ def finish_units_in(session: Any, unit_ids: Sequence[int]) -> dict[str, int]:
 
 
 # What encode and generate need of a unit (UnitTask), in its field order.
-_TASK_COLUMNS = (
+TASK_COLUMNS = (
     UNITS.c.id, UNITS.c.job_id, UNITS.c.source_id, SOURCES.c.uri, SOURCES.c.kind, UNITS.c.unit_index,
     UNITS.c.image_key, UNITS.c.visual_tokens, UNITS.c.width, UNITS.c.height, UNITS.c.cache_key,
     UNITS.c.cache_hit, UNITS.c.timestamp, UNITS.c.min_pixels, UNITS.c.max_pixels,
@@ -235,7 +235,7 @@ def units_in_state(
 ) -> list[UnitTask]:
     """A job's units in `status`, by source uri and index (what a resumed job has left to do)."""
     stmt = (
-        select(*_TASK_COLUMNS)
+        select(*TASK_COLUMNS)
         .join_from(UNITS, SOURCES, UNITS.c.source_id == SOURCES.c.id)
         .where(UNITS.c.job_id == job_id, UNITS.c.status == status.value)
         .order_by(SOURCES.c.uri, UNITS.c.unit_index)
@@ -251,7 +251,7 @@ def units_by_ids(db: Database, unit_ids: Sequence[int], status: UnitStatus) -> l
     with db.session(readonly=True) as session:
         for chunk in chunks(sorted(set(unit_ids))):
             stmt = (
-                select(*_TASK_COLUMNS)
+                select(*TASK_COLUMNS)
                 .join_from(UNITS, SOURCES, UNITS.c.source_id == SOURCES.c.id)
                 .where(UNITS.c.id.in_(chunk), UNITS.c.status == status.value)
                 .order_by(UNITS.c.id)

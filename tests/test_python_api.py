@@ -19,6 +19,7 @@ import redis
 
 import visbatch
 from tests.media import write_pdf, write_video
+from worker.results_export import EXPORT_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,7 +76,10 @@ def test_run_results_pandas_files_and_reopen(folder, tmp_path):
     assert {r["timestamp"] for r in frames} == {0.0, 1.0} and all(r["page_number"] is None for r in frames)
 
     frame = job.to_pandas()
-    assert frame.shape == (8, 20) and list(frame["prompt"].unique()) == ["What is this?", "Any table?"]
+    assert frame.shape == (8, len(EXPORT_FIELDS)) and list(frame["prompt"].unique()) == [
+        "What is this?",
+        "Any table?",
+    ]
 
     import pyarrow.parquet as pq
 

@@ -601,6 +601,10 @@ def test_iter_results_order_and_streaming(db: Database) -> None:
         "latency_ms",
         "pruned_tokens",
         "merged_tokens",
+        "scope",
+        "unit_to",
+        "turn",
+        "timestamp_to",
     }
     video_row = [r for r in repo.iter_results(db, job_id) if r["source"] == "file:///z.mp4"][0]
     assert (video_row["kind"], video_row["timestamp"], video_row["width"]) == ("video", 0.0, 640)

@@ -189,6 +189,19 @@ CACHE_OPTIONS: tuple[Opt, ...] = (
     ),
 )
 
+# Several units in one prompt (ingest.windows; docs/windows.md).
+WINDOW_OPTIONS: tuple[Opt, ...] = (
+    Opt(
+        "window",
+        str | None,
+        None,
+        "WINDOW",
+        "N[:S]: each prompt sees N consecutive pages or frames, a window every S (default S=N); "
+        "Ts[:Ss]: a video's frames of each T seconds (10s:5s); all: the whole source. "
+        "Default: one page or frame a prompt.",
+    ),
+)
+
 GROUPS: dict[str, tuple[Opt, ...]] = {
     "inputs": INPUT_OPTIONS,
     "schema": SCHEMA_OPTIONS,
@@ -197,9 +210,10 @@ GROUPS: dict[str, tuple[Opt, ...]] = {
     "sampling": SAMPLING_OPTIONS,
     "budget": BUDGET_OPTIONS,
     "cache": CACHE_OPTIONS,
+    "window": WINDOW_OPTIONS,
 }
 # What `run`, `submit` and `plan` take: everything that goes into a job.
-JOB_GROUPS = ("prompt", "inputs", "schema", "model", "ingest", "sampling", "budget", "cache")
+JOB_GROUPS = ("prompt", "inputs", "schema", "model", "ingest", "sampling", "budget", "cache", "window")
 
 
 def options_of(groups: Sequence[str], *, prompt_required: bool = True) -> list[Opt]:
@@ -299,6 +313,7 @@ class JobOptions:
                 ingest=ingest,
                 budget=budget,
                 cache=cache,
+                window=self.values.get("window"),
             )
         )
 

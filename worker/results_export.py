@@ -5,8 +5,11 @@ it: ``source`` (the file or object), ``kind``, ``page_number`` (PDF pages counte
 reader counts them; empty for videos and images), ``timestamp`` (seconds into a video),
 ``unit_index`` and ``prompt_index`` (0-based, the tables' own keys, as in the ``result_rows``
 view), the ``prompt`` text and the answer (``output``: the JSON of a schema job, ``text`` the raw
-text). ``--by-document`` writes one file per source with its pages in order: Markdown for text
-answers, JSON for schema answers (what olmOCR and docling users expect from a document job).
+text). What the answer covers: ``scope`` (``unit``, or ``window`` for several units in one
+prompt: ``--window``), ``unit_from``/``unit_to`` (0-based, inclusive), ``page_from``/``page_to``
+(PDFs), ``time_from``/``time_to`` (videos: the first and last frame's time) and ``turn``.
+``--by-document`` writes one file per source with its pages in order: Markdown for text answers,
+JSON for schema answers (what olmOCR and docling users expect from a document job).
 """
 
 from __future__ import annotations
@@ -35,6 +38,14 @@ EXPORT_FIELDS = [
     "page_number",
     "timestamp",
     "unit_index",
+    "scope",
+    "unit_from",
+    "unit_to",
+    "page_from",
+    "page_to",
+    "time_from",
+    "time_to",
+    "turn",
     "prompt_index",
     "prompt",
     "output",
@@ -79,18 +90,43 @@ def place(kind: str | None, unit_index: int | None, timestamp: float | None) -> 
     return "image" if kind == "image" else f"unit {unit_index + 1}"
 
 
+def span(kind: str | None, first: int, last: int, time_from: float | None, time_to: float | None) -> str:
+    """A window's units as a person says them: 'pages 1-2', 'frames 0:00.000-0:04.000'."""
+    if first == last:
+        return place(kind, first, time_from)
+    if kind == "pdf":
+        return f"pages {first + 1}-{last + 1}"
+    if kind == "video" and time_from is not None and time_to is not None:
+        return f"frames {format_timestamp(time_from)}-{format_timestamp(time_to)}"
+    return f"units {first + 1}-{last + 1}"
+
+
+# What an export record takes from a result as it is (the rest is computed in export_record).
+_AS_STORED = EXPORT_FIELDS[EXPORT_FIELDS.index("output") :]
+
+
 def export_record(result: dict[str, Any], prompts: list[str]) -> dict[str, Any]:
     """A row of storage.results.iter_results as an export record (EXPORT_FIELDS)."""
-    index = result["prompt_index"]
+    index, kind, first = result["prompt_index"], result["kind"], result["unit"]
+    last = first if result.get("unit_to") is None else result["unit_to"]
+    video = kind == "video"
     return {
         "source": result["source"],
-        "kind": result["kind"],
-        "page_number": page_number(result["kind"], result["unit"]),
+        "kind": kind,
+        "page_number": page_number(kind, first),
         "timestamp": result["timestamp"],
-        "unit_index": result["unit"],
+        "unit_index": first,
+        "scope": result.get("scope") or "unit",
+        "unit_from": first,
+        "unit_to": last,
+        "page_from": page_number(kind, first),
+        "page_to": page_number(kind, last),
+        "time_from": result["timestamp"] if video else None,
+        "time_to": result.get("timestamp_to", result["timestamp"]) if video else None,
+        "turn": result.get("turn") or 0,
         "prompt_index": index,
         "prompt": prompts[index] if 0 <= index < len(prompts) else None,
-        **{key: result.get(key) for key in EXPORT_FIELDS[7:]},
+        **{key: result.get(key) for key in _AS_STORED},
     }
 
 
@@ -170,6 +206,14 @@ def parquet_schema() -> Any:
             ("page_number", pa.int32()),
             ("timestamp", pa.float64()),
             ("unit_index", pa.int32()),
+            ("scope", pa.string()),
+            ("unit_from", pa.int32()),
+            ("unit_to", pa.int32()),
+            ("page_from", pa.int32()),
+            ("page_to", pa.int32()),
+            ("time_from", pa.float64()),
+            ("time_to", pa.float64()),
+            ("turn", pa.int32()),
             ("prompt_index", pa.int32()),
             ("prompt", pa.string()),
             ("output", pa.string()),  # the JSON text: any shape a schema allows, in one column
@@ -236,7 +280,8 @@ def _markdown(source: str, records: list[dict[str, Any]], prompts: list[str]) ->
     for unit_index, answers in groupby(records, key=lambda r: r["unit_index"]):
         answers = list(answers)
         first = answers[0]
-        lines += [f"## {place(first['kind'], unit_index, first['timestamp']).capitalize()}", ""]
+        where = span(first["kind"], unit_index, first["unit_to"], first["time_from"], first["time_to"])
+        lines += [f"## {where[:1].upper()}{where[1:]}", ""]
         for record in answers:
             if several:
                 lines += [f"**{record['prompt']}**", ""]
@@ -257,6 +302,8 @@ def _document_json(source: str, records: list[dict[str, Any]], prompts: list[str
                 "unit_index": unit_index,
                 "page_number": first["page_number"],
                 "timestamp": first["timestamp"],
+                # A window's answers cover its units up to these (the same as above for a page).
+                **{key: first[key] for key in ("unit_to", "page_to", "time_to")},
                 "answers": [
                     {
                         "prompt_index": r["prompt_index"],

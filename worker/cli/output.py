@@ -18,7 +18,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from worker.results_export import place
+from worker.results_export import place, span
 
 # In a pipe or a log, a progress line at most this often (seconds).
 PROGRESS_LINE_SECONDS = float(os.environ.get("VISBATCH_PROGRESS_SECONDS", "10"))
@@ -315,7 +315,9 @@ def print_preview(console: Console, job_id: str, prompts: list[str], preview: di
         prompt = prompts[index] if index < len(prompts) else f"prompt {index + 1}"
         console.print(f'  "{escape(one_line(prompt, 70))}"', highlight=False)
         for r in records:
-            where = f"{Path(r['source']).name} {place(r['kind'], r['unit'], r['timestamp'])}".strip()
+            last = r["unit"] if r.get("unit_to") is None else r["unit_to"]
+            at = span(r["kind"], r["unit"], last, r["timestamp"], r.get("timestamp_to"))
+            where = f"{Path(r['source']).name} {at}".strip()
             if r["error"]:
                 answer = f"error: {r['error']}"
             elif r["output"] is not None:

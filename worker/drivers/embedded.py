@@ -40,10 +40,10 @@ from worker.retry import describe
 from worker.runtime import Runtime
 from worker.stages.encode import encode_units
 from worker.stages.failures import ENCODE, GENERATE, INGEST, SourceWork
-from worker.stages.generate import GenerateService, JobUnits
+from worker.stages.generate import GenerateService, JobUnits, UnitIds
 from worker.stages.ingest import IngestStep, ingest_source, local_copy
 from worker.stages.runner import Retry, Stage, Stopped, UnitsWork, after_failure, run_tries
-from worker.stages.start import SourceInput, SourceToIngest, reopen_job, start_job
+from worker.stages.start import SourceInput, SourceToIngest, refuse_misfit_window, reopen_job, start_job
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,9 @@ def local_inputs(paths: list[Path]) -> list[SourceInput]:
 
 
 def start_local_job(rt: Runtime, paths: list[Path], spec: JobSpec) -> tuple[str, list[SourceToIngest]]:
-    return start_job(rt, spec, local_inputs(paths))
+    files = expand_paths(paths)
+    refuse_misfit_window(spec, files)
+    return start_job(rt, spec, local_inputs(files))
 
 
 class EmbeddedRun:
@@ -200,6 +202,7 @@ class EmbeddedRun:
         encoded: list[UnitTask] | None = None,
     ) -> None:
         rt = self.rt
+        self.job_id = job_id
         generate = GenerateService(
             rt,
             max_waiting_units=QUEUE_UNITS,
@@ -227,7 +230,7 @@ class EmbeddedRun:
                 self._submit(generate, JobUnits(encoded, spec), waits)
             for start in range(0, len(pending or []), 64):
                 self._put(to_encode, (pending or [])[start : start + 64])
-            self._ingest_all(job_id, spec, sources, to_encode)
+            self._ingest_all(job_id, spec, sources, to_encode, generate, waits)
         except Stopped:
             pass
         except BaseException as exc:
@@ -262,6 +265,8 @@ class EmbeddedRun:
         spec: JobSpec,
         sources: list[SourceToIngest],
         to_encode: queue.Queue,
+        generate: GenerateService,
+        waits: list[Future],
     ) -> None:
         before = self._counts.sources_done  # a resumed job's sources done by the run before
         self.progress.update("sources", before, before + len(sources))
@@ -290,6 +295,11 @@ class EmbeddedRun:
             work = SourceWork(job_id, source.source_id, source.location)
             # Given up (None): the source failed with its cause, the job goes on.
             step = self._tries(INGEST, work, ingest) or IngestStep()
+            if spec.window is not None and step.completed:
+                # The source's last windows are known now; those ready are asked (the rest as
+                # their units are encoded).
+                ids = repo.source_unit_ids(self.rt.db, source.source_id)
+                self._submit(generate, UnitIds(ids, spec), waits)
             with self._counts.lock:
                 self._counts.sources_done += 1
                 self._counts.split += step.units_stored
@@ -341,25 +351,30 @@ class EmbeddedRun:
             step = self._tries(ENCODE, work, lambda: encode_units(self.rt, units, spec.cache))
         except Stopped:
             return
-        if step is None:  # given up: the units failed with their cause
-            return
-        with self._counts.lock:
-            self._counts.encoded += len(units)
-        self.progress.update("encode", self._counts.encoded, self._counts.units)
-        if step.encoded:
+        if step is not None:  # None: given up, the units failed with their cause
+            with self._counts.lock:
+                self._counts.encoded += len(units)
+            self.progress.update("encode", self._counts.encoded, self._counts.units)
+        if spec.window is not None:
+            # Their windows, failed units' too (such a window's answer is the failure).
+            self._submit(generate, UnitIds([u.unit_id for u in units], spec), waits)
+        elif step is not None and step.encoded:
             self._submit(generate, JobUnits(step.encoded, spec), waits)
 
-    def _submit(self, generate: GenerateService, units: JobUnits, waits: list[Future]) -> None:
+    def _submit(self, generate: GenerateService, units: JobUnits | UnitIds, waits: list[Future]) -> None:
         """Hand encoded units to generation: units this run encoded, and those a resumed job had
         encoded. What `waits` holds ends once they are answered, given up, or the run stops."""
         settled: Future = Future()
         waits.append(settled)
         self._try_generate(generate, units, settled, 1)
 
-    def _try_generate(self, generate: GenerateService, units: JobUnits, settled: Future, tries: int) -> None:
+    def _try_generate(
+        self, generate: GenerateService, units: JobUnits | UnitIds, settled: Future, tries: int
+    ) -> None:
         """One try of generation; the runner decides what its failure means (a retry after a wait,
         from a timer: the callback runs in the generate service's thread, which must not wait)."""
-        work = UnitsWork(units.units[0].job_id, [u.unit_id for u in units.units])
+        ids = units.unit_ids if isinstance(units, UnitIds) else [u.unit_id for u in units.units]
+        work = UnitsWork(self.job_id or "", ids)
 
         def done(future: Future) -> None:
             error = None if future.cancelled() else future.exception()

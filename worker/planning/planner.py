@@ -31,6 +31,7 @@ from ingest.spec import JobSpec
 from ingest.stage import expand_paths
 from ingest.survey import survey_source
 from ingest.token_rules import load_token_rule, read_json_file
+from ingest.windows import windows_of
 from worker.planning.fleet_sizing import (
     THROUGHPUT_SOURCE,
     FleetFigures,
@@ -175,6 +176,15 @@ class Plan:
         return asdict(self)
 
 
+def _windowed(visuals: list[int], spec: JobSpec, duration: float | None) -> list[int]:
+    """Visual tokens per window of a source's units (ingest.windows); a video's frames taken as
+    spread evenly over its duration (as --fps and --num-frames sample them)."""
+    plan = spec.window_plan()
+    assert plan is not None
+    times = [i * (duration or 0.0) / len(visuals) for i in range(len(visuals))] if visuals else []
+    return [sum(visuals[first : last + 1]) for first, last in windows_of(plan, times)]
+
+
 def plan_job(
     paths: list[Path],
     spec: JobSpec,
@@ -211,6 +221,7 @@ def plan_job(
         if survey.kind == "video" and spec.budget.skip_redundant_frames:
             plan.notes.append("redundant-frame skipping is on: a run may ask fewer frames (upper bound)")
         plan.max_pixels = (source_bounds or model.geometry.default).max_pixels
+        visuals: list[int] = []  # per unit that can be encoded
         for width, height in survey.sizes:
             try:
                 visual = model.count_visual_tokens(width, height, source_bounds)
@@ -223,12 +234,16 @@ def plan_job(
             plan.units += 1
             plan.visual_tokens += visual
             plan.visual_tokens_max = max(plan.visual_tokens_max, visual)
+            visuals.append(visual)
+        # What each request shows: a unit, or a window's units (encoded once, shown in each window).
+        shown = _windowed(visuals, spec, survey.duration) if spec.window is not None else visuals
+        for visual in shown:
             for prompt_tokens in prompt_counts:
                 plan.requests += 1
                 plan.prompt_tokens += prompt_tokens
                 plan.tokens += visual + prompt_tokens + max_new
-        if plan.units:
-            plan.kv_bytes_per_request = per_token * (plan.visual_tokens_max + max(prompt_counts) + max_new)
+        if shown:
+            plan.kv_bytes_per_request = per_token * (max(shown) + max(prompt_counts) + max_new)
         plans.append(plan)
     total = SourcePlan("total", None)
     for p in plans:

@@ -41,6 +41,7 @@ class IngestStep:
     # Where the next range of pages starts (a fleet task hands it on); None: nothing left.
     next_position: int | None = None
     stopped: bool = False  # the run is stopping: the source stays pending, to be resumed
+    completed: bool = False  # the source is split to its end (or failed): its last windows are known
     closed: dict[str, str] = field(default_factory=dict)  # jobs this step closed -> status
 
 
@@ -161,6 +162,11 @@ def ingest_source(
                 raise SplitterOutOfStep(f"the splitting process did not start with {path.name}'s facts")
             info = first
             chunks.kind, chunks.sha256 = info.kind, info.sha256
+            plan = spec.window_plan()
+            if plan is not None and plan.by_time and info.kind != "video":
+                raise SourceError(
+                    f"--window {spec.window} counts seconds of video, and this is a {info.kind}"
+                )
             # The job's visual-token budget: bounds per unit, skipped frames, the per-video cap.
             budget = SourceBudget.for_job(spec, rt.token_rule)
             timed = stop_after_s is not None and info.units is not None and not selection.skip
@@ -204,6 +210,7 @@ def ingest_source(
         metrics.ERRORS.labels("ingest", "source").inc()
     facts = {"kind": info.kind, "sha256": info.sha256, "size": info.size} if info else {}
     remaining = repo.complete_source(rt.db, source_id, error=error, **facts)
+    step.completed = True
     step.closed = repo.close_finished(rt.db, remaining)
     return step
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from ingest.spec import JobSpec
 from storage import repository as repo
+from worker.errors import UserError
 from worker.stages.needs import StartNeeds
 
 
@@ -44,6 +46,27 @@ def start_job(
     return started.job_id, [
         SourceToIngest(source_id, uri, location[uri] or uri) for source_id, uri in started.sources
     ]
+
+
+def refuse_misfit_window(spec: JobSpec, paths: list[Path]) -> None:
+    """A time window (`--window 10s`) over a PDF or an image is refused before the job starts,
+    naming the file (UserError: exit 2). An input read elsewhere (s3://, a drop folder) is refused
+    by its own source instead, at ingest (worker.stages.ingest)."""
+    plan = spec.window_plan()
+    if plan is None or not plan.by_time:
+        return
+    from ingest.detect import still_kind  # PyAV with it: only for a job that has a time window
+
+    for path in paths:
+        kind = still_kind(path)
+        if kind is not None:
+            raise UserError(
+                f"{path}: --window {spec.window} counts seconds of video, and this is {_A_KIND[kind]}",
+                "give videos only, or a window of pages: --window N[:S]",
+            )
+
+
+_A_KIND = {"pdf": "a PDF", "image": "an image"}
 
 
 def reopen_job(rt: StartNeeds, job_id: str) -> tuple[repo.ReopenedJob, JobSpec]:

@@ -16,7 +16,7 @@ from storage import repository as repo
 from storage.models import FINISHED_JOB_STATUSES
 from visbatch.settings import Settings
 from worker.runtime import Runtime
-from worker.stages.start import SourceInput, SourceToIngest, start_job
+from worker.stages.start import SourceInput, SourceToIngest, refuse_misfit_window, start_job
 
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -63,6 +63,9 @@ def enqueue_ingest(job_id: str, sources: list[SourceToIngest]) -> None:
 def submit_job(rt: Runtime, inputs: list[str], spec: JobSpec) -> str:
     """Create the job and its sources (storage.jobs.start_job), then one ingest task per source.
     Where each source is read is recorded, so that the fleet can resume a stalled job itself."""
+    refuse_misfit_window(
+        spec, [p for i in inputs if not i.startswith("s3://") for p in expand_paths([Path(i)])]
+    )
     job_id, sources = start_job(rt, spec, resolve_inputs(rt, inputs), fleet=True)
     try:
         enqueue_ingest(job_id, sources)

@@ -215,6 +215,9 @@ def ingest_source(self: Task, job_id: str, source_id: int, location: str, first:
                             on_units=send_encode, stop_after_s=SETTINGS.task_time_limit / 3)  # fmt: skip
     if step.next_position is not None and repo.advance_cursor(rt.db, source_id, first, step.next_position):
         ingest_source.apply_async((job_id, source_id, location, step.next_position))
+    if spec.window is not None and step.completed:
+        # The source's last windows are known now: those ready are asked (storage.windows).
+        generate_units.apply_async((job_id, repo.source_unit_ids(rt.db, source_id)))
     return f"{step.units_stored} units"
 
 
@@ -241,6 +244,11 @@ def encode_units(self: Task, job_id: str, unit_ids: list[int]) -> str:
     rt = runtime_for(spec.model)
     pending = repo.units_by_ids(rt.db, unit_ids, UnitStatus.PENDING)
     step = encode_stage(rt, pending, spec.cache)
+    if spec.window is not None:
+        # Their windows, failed units' too (such a window's answer is the failure): one message,
+        # which asks the windows these units complete (storage.windows).
+        generate_units.apply_async((job_id, list(unit_ids)))
+        return f"{len(step.encoded)} encoded, {step.failed} failed"
     # Units encoded by an earlier delivery of this message are sent on too (idempotent).
     for unit in repo.units_by_ids(rt.db, unit_ids, UnitStatus.ENCODED):
         generate_units.apply_async((job_id, [unit.unit_id]))

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from ingest.spec import JobSpec
 from storage import repository as repo
 from storage.models import UnitStatus
-from storage.rows import ResultRow, UnitTask
+from storage.rows import ResultRow, UnitTask, WindowTask
 from worker import metrics
 from worker.retry import describe
 from worker.stages.generate.requests import Prepared
@@ -47,7 +47,7 @@ POLL_SECONDS = 1.0
 
 @dataclass
 class _Work:
-    unit: UnitTask
+    unit: UnitTask | WindowTask
     spec: JobSpec
     waiting: int
     rows: list[ResultRow] = field(default_factory=list)
@@ -108,7 +108,7 @@ class GenerateLoop:
         """`add` for several submissions with ONE read of their units (those named by id) and ONE
         of the answers already stored: a fleet worker gets a message per unit, and reading per
         message was two SQL transactions per page."""
-        read = self._read_units(batch)
+        read = self._as_windows(self._read_units(batch))
         fresh = sorted({
             u.unit_id for job, _ in read for u in job.units
             if u.job_id not in self._stopped and u.unit_id not in self._work
@@ -129,11 +129,16 @@ class GenerateLoop:
         for job, ticket in read:
             self._add(job, ticket, answered)
 
-    def _read_units(self, batch: list[Submission]) -> list[tuple[JobUnits, Ticket | None]]:
+    def _read_units(self, batch: list[Submission]) -> list[tuple[JobUnits | UnitIds, Ticket | None]]:
         """The submissions with their units: those named by id read in one query, still encoded
         (a redelivered message's units already done are left out; a submission left with none is
         settled at once)."""
-        named = sorted({i for req, _ in batch if isinstance(req, UnitIds) for i in req.unit_ids})
+        # A windowed job's units are named only to find their windows (`_as_windows`), whatever
+        # their state: a unit that failed settles its windows too.
+        named = sorted({
+            i for req, _ in batch
+            if isinstance(req, UnitIds) and req.spec.window is None for i in req.unit_ids
+        })  # fmt: skip
         units: dict[int, UnitTask] = {}
         error: Exception | None = None
         if named:
@@ -146,9 +151,9 @@ class GenerateLoop:
                 units = {u.unit_id: u for u in read}
             except Exception as exc:  # the database stayed away: these submitters hear why
                 error = self._spent(exc)
-        out: list[tuple[JobUnits, Ticket | None]] = []
+        out: list[tuple[JobUnits | UnitIds, Ticket | None]] = []
         for req, ticket in batch:
-            if isinstance(req, JobUnits):
+            if isinstance(req, JobUnits) or req.spec.window is not None:
                 out.append((req, ticket))
                 continue
             if error is not None:
@@ -162,6 +167,38 @@ class GenerateLoop:
                     ticket.future.set_result(UnitsOutcome())
             if found:
                 out.append((JobUnits(found, req.spec), ticket))
+        return out
+
+    def _as_windows(
+        self, read: list[tuple[JobUnits | UnitIds, Ticket | None]]
+    ) -> list[tuple[JobUnits, Ticket | None]]:
+        """A windowed job's submissions as the windows their units are in that are ready to ask
+        (storage.windows): a window is asked once its last unit is encoded, whichever submission
+        names it; its submitter's ticket then counts windows."""
+        out: list[tuple[JobUnits, Ticket | None]] = []
+        for req, ticket in read:
+            plan = req.spec.window_plan()
+            if plan is None:
+                assert isinstance(req, JobUnits)
+                out.append((req, ticket))
+                continue
+            ids = req.unit_ids if isinstance(req, UnitIds) else [u.unit_id for u in req.units]
+            try:
+                windows = self.rt.retry.call(
+                    lambda plan=plan, ids=ids: repo.ready_windows(self.rt.db, plan, ids),
+                    what="reading windows",
+                    stop=self.stop,
+                )
+            except Exception as exc:  # the database stayed away: this submitter hears why
+                if ticket is not None:
+                    ticket.fail(self._spent(exc))
+                continue
+            if ticket is not None:
+                ticket.left = len(windows)
+                if not windows and not ticket.future.done():
+                    ticket.future.set_result(UnitsOutcome())
+            if windows:
+                out.append((JobUnits(windows, req.spec), ticket))
         return out
 
     def _add(self, job: JobUnits, ticket: Ticket | None, answered: dict[int, set[int]]) -> None:
@@ -263,10 +300,16 @@ class GenerateLoop:
         self._flushed_at = time.monotonic()
         if answered:
             rows = [(w.unit.job_id, row) for w in answered for row in w.rows]
-            units = [(w.unit.job_id, w.unit.unit_id) for w in answered]
+            units = [(w.unit.job_id, w.unit.unit_id) for w in answered if isinstance(w.unit, UnitTask)]
+            # A window's units are done once all their windows are answered: settled by source.
+            windows = {
+                (w.unit.job_id, w.unit.source_id): (w.spec.window_plan(), len(w.spec.prompts))
+                for w in answered
+                if isinstance(w.unit, WindowTask)
+            }
             try:
                 stored = self.rt.retry.call(
-                    lambda: repo.store_results(self.rt.db, rows, units),
+                    lambda: repo.store_results(self.rt.db, rows, units, windows),
                     what="storing results",
                     stop=self.stop,
                 )

@@ -2,7 +2,8 @@
 
 A unit's visual tokens are read from the cache once and shared by all its prompts, whose
 requests reach the engine together (so vLLM's prefix cache serves the image's blocks to every
-prompt after the first).
+prompt after the first). A window (ingest.windows) is one request per prompt whose images are
+its units' cached tokens in order, laid out as the model's processor lays out several images.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from ingest.budget import PixelBounds
 from ingest.spec import JobSpec
-from storage.rows import ResultRow, UnitTask
+from storage.rows import ResultRow, UnitTask, WindowTask
 from worker.engines.base import EngineRequest, Generation
 from worker.engines.structured import validate_output
 from worker.models.base import ModelAdapter
@@ -23,7 +24,7 @@ from worker.tokens.store import VisualTokenStore
 class Prepared:
     """One request ready for the engine, or the reason it cannot be asked (`error`)."""
 
-    unit: UnitTask
+    unit: UnitTask | WindowTask
     spec: JobSpec
     prompt_index: int
     request: EngineRequest | None
@@ -46,18 +47,34 @@ class RequestBuilder:
             self._text_tokens[prompt] = len(self.adapter.prompt_ids(prompt, None))
         return self._text_tokens[prompt]
 
-    def prepare(self, unit: UnitTask, spec: JobSpec, prompt_indexes: list[int]) -> list[Prepared]:
-        """The unit asked each of these prompts of its job; its tokens read once for all of them."""
-        # The resize bounds the unit was counted with at ingest (its job's budget); None: the model's.
-        bounds = PixelBounds.of(unit.min_pixels, unit.max_pixels)
+    def prepare(
+        self, unit: UnitTask | WindowTask, spec: JobSpec, prompt_indexes: list[int]
+    ) -> list[Prepared]:
+        """The unit (or window) asked each of these prompts of its job; its tokens read once for
+        all of them."""
+        shown = unit.units if isinstance(unit, WindowTask) else (unit,)
         try:
-            if unit.image_key is None:
-                raise ValueError("the unit has no image")
-            visual = self.token_store.for_policy(spec.cache).get(unit.image_key, bounds)
+            if isinstance(unit, WindowTask) and unit.failed:
+                raise _NotAsked("; ".join(unit.failed))
+            if not shown:
+                raise _NotAsked(
+                    "every frame of the window repeats an earlier one (skipped as near-duplicates)"
+                )
+            visual, keys = [], []
+            for one in shown:
+                # The resize bounds the unit was counted with at ingest (its job's budget); None: the model's.
+                bounds = PixelBounds.of(one.min_pixels, one.max_pixels)
+                if one.image_key is None:
+                    raise ValueError("the unit has no image")
+                visual.append(self.token_store.for_policy(spec.cache).get(one.image_key, bounds))
+                keys.append(self.token_store.cache_key(one.image_key, bounds))
+        except _NotAsked as exc:
+            return [Prepared(unit, spec, p, None, str(exc)) for p in prompt_indexes]
         except Exception as exc:
             error = f"visual tokens unavailable: {type(exc).__name__}: {exc}"
             return [Prepared(unit, spec, p, None, error) for p in prompt_indexes]
-        cache_key = self.token_store.cache_key(unit.image_key, bounds)
+        images = visual[0] if not isinstance(unit, WindowTask) else tuple(visual)
+        cache_key = "+".join(keys)
         s = spec.sampling
         return [
             Prepared(
@@ -65,8 +82,8 @@ class RequestBuilder:
                 spec,
                 p,
                 EngineRequest(
-                    prompt_ids=self.adapter.prompt_ids(spec.prompts[p], visual),
-                    visual=visual,
+                    prompt_ids=self.adapter.prompt_ids(spec.prompts[p], images),
+                    visual=images,
                     cache_key=cache_key,
                     max_new_tokens=s.max_new_tokens,
                     temperature=s.temperature,
@@ -98,6 +115,7 @@ class RequestBuilder:
             engine=self.engine_name,
             cache_hit=bool(unit.cache_hit),
             latency_ms=latency_ms,
+            **({"scope": "window", "unit_to": unit.last} if isinstance(unit, WindowTask) else {}),
         )
         error = prepared.error
         if outcome is not None and outcome.error is not None:
@@ -128,6 +146,10 @@ class RequestBuilder:
             merged_tokens=outcome.merged_tokens,
             **common,
         )
+
+
+class _NotAsked(Exception):
+    """A window that cannot be asked: the message is its answer's error."""
 
 
 def without_nul(value: Any) -> Any:
