@@ -79,6 +79,17 @@ def parse_window(text: str) -> WindowPlan:
     raise ValueError(f"{text!r} is not a window: use {WINDOW_SYNTAX}")
 
 
+def describe(plan: WindowPlan) -> str:
+    """The window in words, for `status`: 'windows of 3 pages or frames, one every 2'."""
+    if plan.whole:
+        return "one window per source (all its pages or frames)"
+    if plan.by_time:
+        every = f", one every {plan.stride_seconds:g} s" if plan.stride_seconds != plan.seconds else ""
+        return f"windows of {plan.seconds:g} s of video{every}"
+    every = f", one every {plan.stride}" if plan.stride != plan.size else ""
+    return f"windows of {plan.size} pages or frames{every}"
+
+
 def windows_of(
     plan: WindowPlan, timestamps: Sequence[float | None], *, complete: bool = True
 ) -> list[tuple[int, int]]:

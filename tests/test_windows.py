@@ -168,3 +168,146 @@ def test_windows_on_a_fleet(fleet, tmp_path) -> None:
     summary = repo.job_summary(fleet.db, job)
     assert (summary["units_total"], summary["units_pending"], summary["units_failed"]) == (8, 0, 0), summary
     assert (summary["results"], summary["cache_misses"]) == (8, 8), summary
+
+
+# --- failures, resume, reruns, refusals ----------------------------------------------------
+
+
+def _inputs(tmp_path, pages: int = 4):
+    folder = tmp_path / "in"
+    folder.mkdir(exist_ok=True)
+    write_pdf(folder / "doc.pdf", pages=pages)
+    return folder
+
+
+@pytest.mark.slow
+def test_a_failed_page_fails_its_windows_with_its_cause(settings_factory, tmp_path, monkeypatch) -> None:
+    """Page 2 cannot be encoded: its window answers with page 2's error, the other window is
+    asked, every page ends done or failed and the job ends partial."""
+    from worker.drivers import embedded
+
+    real = embedded.encode_units
+
+    def encode_units(rt, units, cache="cold"):
+        bad = [u for u in units if u.index == 1]
+        step = real(rt, [u for u in units if u.index != 1], cache)
+        if bad:
+            repo.close_finished(
+                rt.db, repo.fail_units(rt.db, [(u.unit_id, "the page is unreadable") for u in bad])
+            )
+            step.failed += len(bad)
+        return step
+
+    monkeypatch.setattr(embedded, "encode_units", encode_units)
+    rt = Runtime(settings_factory())
+    job_id = run_job(rt, [_inputs(tmp_path)], SPEC)
+    summary = repo.job_summary(rt.db, job_id)
+    assert summary["status"] == "partial", summary
+    assert (summary["units_failed"], summary["units_pending"]) == (1, 0), summary
+    rows = {(r["unit"], r["prompt_index"]): r for r in repo.iter_results(rt.db, job_id)}
+    assert sorted(rows) == [(0, 0), (0, 1), (2, 0), (2, 1)]
+    assert rows[0, 0]["error"] == "page 2 failed: the page is unreadable" and rows[0, 0]["unit_to"] == 1
+    assert rows[2, 0]["error"] is None and rows[2, 0]["unit_to"] == 3
+
+
+@pytest.mark.slow
+def test_a_stopped_windowed_job_resumes_without_asking_a_window_twice(
+    settings_factory, tmp_path, monkeypatch
+) -> None:
+    from worker.drivers import embedded
+
+    folder = _inputs(tmp_path, pages=6)
+    spec = SPEC.model_copy(update={"window": "2:1"})  # 5 windows over 6 pages, overlapping
+    # One window's two prompts in flight at a time: the first write holds one window's answers.
+    rt = Runtime(settings_factory(generate_window=2))
+    run = embedded.EmbeddedRun(rt)
+    real = repo.store_results
+
+    def stop_after_first_write(*args, **kwargs):
+        stored = real(*args, **kwargs)
+        run.request_stop("interrupted by SIGINT (Ctrl-C)")
+        return stored
+
+    monkeypatch.setattr(repo, "store_results", stop_after_first_write)
+    job_id = run.run([folder], spec)
+    monkeypatch.setattr(repo, "store_results", real)
+    assert repo.job_state(rt.db, job_id)[0] == "cancelled"
+    before = {(r["unit"], r["prompt_index"]) for r in repo.iter_results(rt.db, job_id) if r["error"] is None}
+    assert 0 < len(before) < 5 * 2
+
+    resumed = embedded.EmbeddedRun(Runtime(settings_factory()))
+    resumed.resume(job_id)
+    summary = repo.job_summary(rt.db, job_id)
+    assert summary["status"] == "succeeded", summary
+    spans = sorted((r["unit"], r["unit_to"], r["prompt_index"]) for r in repo.iter_results(rt.db, job_id))
+    assert spans == [(a, a + 1, p) for a in range(5) for p in (0, 1)]
+    assert resumed.work_done()["answers"] == 5 * 2 - len(before)  # nothing asked twice
+
+
+@pytest.mark.slow
+def test_a_warm_rerun_with_other_windows_encodes_nothing(settings_factory, tmp_path) -> None:
+    folder = _inputs(tmp_path, pages=5)
+    first = Runtime(settings_factory())
+    run_job(first, [folder], SPEC)
+    second = Runtime(settings_factory())
+    job_id = run_job(second, [folder], SPEC.model_copy(update={"window": "3:1"}))
+    summary = repo.job_summary(second.db, job_id)
+    assert summary["status"] == "succeeded", summary
+    assert (summary["cache_hits"], summary["cache_misses"]) == (5, 0)
+    assert second.token_store.stats.tower_calls == 0
+    assert sorted({(r["unit"], r["unit_to"]) for r in repo.iter_results(second.db, job_id)}) == [
+        (0, 2),
+        (1, 3),
+        (2, 4),
+    ]
+
+
+def test_a_time_window_over_a_pdf_is_refused_before_the_job_starts(tmp_path, monkeypatch) -> None:
+    import visbatch
+
+    monkeypatch.setenv("VISBATCH_HOME", str(tmp_path / "home"))
+    folder = _inputs(tmp_path, pages=1)
+    says = r"doc\.pdf: --window 10s counts seconds of video, and this is a PDF"
+    with pytest.raises(visbatch.Error, match=says):
+        visbatch.run([folder], prompts=["q"], window="10s", model=str(tmp_path / "no-model"))
+    with pytest.raises(visbatch.Error, match="window: the stride 3 must be 1 to 2"):
+        visbatch.run([folder], prompts=["q"], window="2:3", model=str(tmp_path / "no-model"))
+
+
+def test_the_result_rows_view_says_what_a_window_covers(db) -> None:
+    from sqlalchemy import text
+
+    from storage.rows import ResultRow, UnitRow
+
+    job_id = repo.create_job(db, JobSpec(prompts=["q"], window="2"))
+    pdf = repo.add_source(db, job_id, "s3://in/a.pdf")
+    repo.complete_source(db, pdf, kind="pdf", sha256="a" * 64, size=1)
+    pages = repo.add_units(db, job_id, pdf, [UnitRow(i, 10, 10, f"p{i}.png", 4) for i in range(3)])
+    video = repo.add_source(db, job_id, "s3://in/b.mp4")
+    repo.complete_source(db, video, kind="video", sha256="b" * 64, size=1)
+    frames = repo.add_units(
+        db, job_id, video, [UnitRow(i, 10, 10, f"f{i}.png", 4, timestamp=i * 2.5) for i in range(3)]
+    )
+    common = dict(
+        prompt_index=0, output=None, text="x", error=None, prompt_tokens=1, visual_tokens=8,
+        completion_tokens=1, finish_reason="stop", model="m", engine="e", cache_hit=False, latency_ms=1.0,
+    )  # fmt: skip
+    rows = [
+        ResultRow(unit_id=pages[0], scope="window", unit_to=1, **common),
+        ResultRow(unit_id=pages[2], scope="window", unit_to=2, **common),
+        ResultRow(unit_id=frames[0], scope="window", unit_to=2, **common),
+    ]
+    repo.upsert_results(db, job_id, rows)
+    sql = text(
+        "SELECT source_uri, scope, unit_from, unit_to, page_from, page_to, time_from, time_to, turn,"
+        " page_number, unit_index FROM result_rows WHERE job_id = :job ORDER BY source_uri, unit_from"
+    )
+    with db.engine.connect() as connection:
+        got = [tuple(row) for row in connection.execute(sql, {"job": job_id})]
+    assert got == [
+        ("s3://in/a.pdf", "window", 0, 1, 1, 2, None, None, 0, 1, 0),
+        ("s3://in/a.pdf", "window", 2, 2, 3, 3, None, None, 0, 3, 2),
+        ("s3://in/b.mp4", "window", 0, 2, None, None, 0.0, 5.0, 0, None, 0),
+    ]
+    exported = [(r["unit"], r["unit_to"], r["timestamp_to"]) for r in repo.iter_results(db, job_id)]
+    assert exported == [(0, 1, None), (2, 2, None), (0, 2, 5.0)]

@@ -223,6 +223,16 @@ def cache_policy(s: dict[str, Any]) -> str:
     return str((s.get("spec") or {}).get("cache") or "cold")
 
 
+def _per_window(s: dict[str, Any]) -> str:
+    """', over windows of 3 pages or frames' for a windowed job (ingest.windows); else nothing."""
+    window = (s.get("spec") or {}).get("window")
+    if not window:
+        return ""
+    from ingest.windows import describe, parse_window
+
+    return f", over {describe(parse_window(window))}"
+
+
 def summary_lines(s: dict[str, Any]) -> list[tuple[str, str]]:
     """A job's state as (label, value) pairs: counts in words, pages and prompts as people count."""
 
@@ -237,7 +247,7 @@ def summary_lines(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("status", status),
         ("sources", f"{n('sources_total'):,} ({n('sources_failed'):,} failed)"),
         ("pages+frames", f"{n('units_total'):,} ({n('units_failed'):,} failed)"),
-        ("answers", f"{n('results'):,} ({n('results_failed'):,} failed)"),
+        ("answers", f"{n('results'):,} ({n('results_failed'):,} failed){_per_window(s)}"),
         ("vision tower", f"{n('cache_misses'):,} images encoded, {n('cache_hits'):,} from the cache"
                          f" (cache policy {cache_policy(s)})"),
     ]  # fmt: skip

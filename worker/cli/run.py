@@ -367,9 +367,9 @@ def _wait(rt: Any, job_id: str) -> None:
             prompts = len(s["spec"]["prompts"])
             done = s["units_total"] - s.get("units_pending", 0)
             progress.update("units", max(0, done), s["units_total"] or None)
-            progress.update(
-                "generate", s["results"] + s["results_failed"], (s["units_total"] * prompts) or None
-            )
+            # A windowed job's answers are per window: their number is known once all is split.
+            total = None if s["spec"].get("window") else (s["units_total"] * prompts) or None
+            progress.update("generate", s["results"] + s["results_failed"], total)
 
         summary = wait_for_job(rt, job_id, show)
     print_summary(console, summary)

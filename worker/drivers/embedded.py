@@ -382,7 +382,9 @@ class EmbeddedRun:
                 if not future.cancelled():
                     with self._counts.lock:
                         self._counts.answered_units += future.result().stored
-                    self.progress.update("generate", self._counts.answered_units, self._counts.units)
+                    # A windowed job counts windows answered (how many there are is known late).
+                    total = None if units.spec.window is not None else self._counts.units
+                    self.progress.update("generate", self._counts.answered_units, total)
                 settled.set_result(None)
                 return
             try:
