@@ -15,7 +15,15 @@ import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from ingest.budget import VisualBudget
 from ingest.schema import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, JSONTooDeep, check_schema, loads_json
@@ -48,6 +56,9 @@ PAGE_RANGE_ITEM = re.compile(r"^\s*(\d+)\s*(?:(-)\s*(\d*)\s*)?$")
 #   none  the hot tier alone with a short TTL, each entry deleted once its unit's answers are stored.
 CachePolicy = Literal["cold", "hot", "none"]
 CACHE_POLICIES: tuple[str, ...] = ("cold", "hot", "none")
+
+# Turns after a prompt (`--then`): a conversation of 1 + 16 questions is long for any VLM.
+MAX_FOLLOW_UPS = 16
 
 # A spec file holds prompts (64 x 32,000 characters at most) and a 64 KiB schema.
 MAX_SPEC_BYTES = 4 * 1024 * 1024
@@ -118,6 +129,9 @@ class JobSpec(BaseModel):
     cache: CachePolicy = Field("cold", description="Token cache policy: cold, hot or none.")
     # Several consecutive units in one prompt (ingest.windows); None: each unit is asked alone.
     window: str | None = Field(None, description=f"Units one prompt sees: {WINDOW_SYNTAX}.")
+    # Follow-up turns per prompt (`--then`): then[i] continues the conversation of prompts[i], each
+    # turn seeing the same images, the earlier turns and their answers. Empty: no follow-ups.
+    then: list[list[str]] = Field(default_factory=list, description="Follow-up turns, one list per prompt.")
 
     @field_validator("prompts")
     @classmethod
@@ -139,6 +153,30 @@ class JobSpec(BaseModel):
 
     def window_plan(self) -> WindowPlan | None:
         return parse_window(self.window) if self.window is not None else None
+
+    @field_validator("then")
+    @classmethod
+    def _turns_per_prompt(cls, then: list[list[str]], info: ValidationInfo) -> list[list[str]]:
+        prompts = len(info.data.get("prompts") or [])
+        if then and len(then) != prompts:
+            raise ValueError(f"one list of follow-ups per prompt ({prompts}), not {len(then)}")
+        for turns in then:
+            if len(turns) > MAX_FOLLOW_UPS:
+                raise ValueError(f"at most {MAX_FOLLOW_UPS} follow-up turns per prompt, not {len(turns)}")
+            for turn in turns:
+                if not turn.strip():
+                    raise ValueError("a follow-up turn must not be empty")
+                if len(turn) > 32_000:
+                    raise ValueError("a follow-up turn must be under 32,000 characters")
+        return then
+
+    def turns(self, prompt_index: int) -> list[str]:
+        """The questions of one prompt's conversation: the prompt, then its follow-ups."""
+        return [self.prompts[prompt_index], *(self.then[prompt_index] if self.then else [])]
+
+    def questions(self) -> list[tuple[int, int]]:
+        """Every (prompt index, turn) a unit or window is asked, in order."""
+        return [(p, t) for p in range(len(self.prompts)) for t in range(len(self.turns(p)))]
 
     @field_validator("json_schema")
     @classmethod

@@ -313,7 +313,7 @@ RESULTS = Table(
     Column("scope", String(STATUS_LENGTH), nullable=False, default="unit", server_default="unit"),
     Column("unit_to", Integer, nullable=True),
     Column("turn", Integer, nullable=False, default=0, server_default="0"),
-    UniqueConstraint("unit_id", "prompt_index"),
+    UniqueConstraint("unit_id", "prompt_index", "turn"),
     # The PostgreSQL-only GIN index on output and the partial index of failed answers: see
     # schema_metadata().
 )

@@ -27,7 +27,7 @@ from storage.jobs import (
 )
 from storage.models import DROP_CLAIMS, JOBS, RESULTS, SOURCES, UNITS
 from storage.results import (
-    answered_prompts,
+    answered_questions,
     count_results,
     iter_results,
     preview_results,
@@ -79,7 +79,7 @@ __all__ = [
     "add_stage_seconds",
     "add_units",
     "advance_cursor",
-    "answered_prompts",
+    "answered_questions",
     "claim_keys",
     "claim_object",
     "close_finished",

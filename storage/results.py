@@ -1,4 +1,4 @@
-"""Results: one row per unit x prompt, upserted so that a retry never duplicates one."""
+"""Results: one row per unit (or window) x prompt x turn, upserted so that a retry never duplicates one."""
 
 from __future__ import annotations
 
@@ -70,12 +70,12 @@ def _upsert(db: Database, session: Connection, rows: Sequence[tuple[str, ResultR
     now = utcnow()
     # Last one wins for a key repeated within the call: PostgreSQL refuses to update one row
     # twice in one statement if the driver ever batches the executemany into multi-VALUES.
-    latest = {(row.unit_id, row.prompt_index): (job_id, row) for job_id, row in rows}
+    latest = {(row.unit_id, row.prompt_index, row.turn): (job_id, row) for job_id, row in rows}
     if not latest:
         return set()
     stmt = dialect_insert(db, RESULTS)
     stmt = stmt.on_conflict_do_update(
-        index_elements=[RESULTS.c.unit_id, RESULTS.c.prompt_index],
+        index_elements=[RESULTS.c.unit_id, RESULTS.c.prompt_index, RESULTS.c.turn],
         set_={name: stmt.excluded[name] for name in _RESULT_UPDATE_COLUMNS},
     )
     session.execute(stmt, [_params(job_id, row, now) for job_id, row in latest.values()])
@@ -94,14 +94,14 @@ def _stamp_first_result(session: Connection, job_ids: set[str]) -> None:
 
 
 def upsert_results(db: Database, job_id: str, rows: Sequence[ResultRow]) -> int:
-    """Write results in one bulk INSERT .. ON CONFLICT (unit_id, prompt_index) DO UPDATE.
+    """Write results in one bulk INSERT .. ON CONFLICT (unit_id, prompt_index, turn) DO UPDATE.
 
     All rows must belong to ``job_id``. Returns the number of rows written.
     """
     with db.session() as session:
         jobs = _upsert(db, session, [(job_id, row) for row in rows])
         _stamp_first_result(session, jobs)
-    return len({(row.unit_id, row.prompt_index) for row in rows})
+    return len({(row.unit_id, row.prompt_index, row.turn) for row in rows})
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def store_results(
 ) -> StoredResults:
     """Upsert (job_id, result) pairs and mark `finished_units` ((job_id, unit_id) pairs) done, in
     one transaction, so a crash never leaves a unit done without its results. `windows`: the
-    (job_id, source_id) of windows answered here, with the job's window plan and prompt count:
+    (job_id, source_id) of windows answered here, with the job's window plan and question count:
     their units whose windows all have answers are marked done too (storage.windows).
 
     The jobs' states are read first, in the same transaction: once `visbatch cancel` (or anything
@@ -143,16 +143,18 @@ def store_results(
     return StoredResults(remaining, refused)
 
 
-def answered_prompts(db: Database, unit_ids: Sequence[int]) -> dict[int, set[int]]:
-    """Prompt indexes each unit already has a result for, errors excluded (a resumed job asks the rest)."""
-    answered: dict[int, set[int]] = defaultdict(set)
+def answered_questions(db: Database, unit_ids: Sequence[int]) -> dict[int, dict[tuple[int, int], str]]:
+    """The good answers each unit (or window: its first unit) has already, by (prompt index,
+    turn), with their text (a follow-up turn is asked after them); errors excluded: a resumed
+    job asks those again."""
+    answered: dict[int, dict[tuple[int, int], str]] = defaultdict(dict)
     with db.session(readonly=True) as session:
         for chunk in chunks(sorted(set(unit_ids))):
-            stmt = select(RESULTS.c.unit_id, RESULTS.c.prompt_index).where(
+            stmt = select(RESULTS.c.unit_id, RESULTS.c.prompt_index, RESULTS.c.turn, RESULTS.c.text).where(
                 RESULTS.c.unit_id.in_(chunk), RESULTS.c.error.is_(None)
             )
-            for unit_id, prompt_index in session.execute(stmt):
-                answered[int(unit_id)].add(int(prompt_index))
+            for unit_id, prompt_index, turn, text in session.execute(stmt):
+                answered[int(unit_id)][int(prompt_index), int(turn)] = text or ""
     return answered
 
 

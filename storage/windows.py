@@ -106,11 +106,12 @@ def _task(members: Sequence[Any]) -> WindowTask:
 
 
 def settle_windows_in(session: Connection, sources: Sequence[tuple[int, WindowRule, int]]) -> dict[str, int]:
-    """Mark done every encoded unit of these (source, plan, prompts) whose windows all have their
-    answers, in the caller's transaction; returns {job: units left} for the jobs moved (the
-    countdown: storage.sql). A source still being split waits: its last windows are not known."""
+    """Mark done every encoded unit of these (source, plan, questions) whose windows all have
+    their answers (one per prompt and turn: rows are unique on those), in the caller's
+    transaction; returns {job: units left} for the jobs moved (the countdown: storage.sql). A
+    source still being split waits: its last windows are not known."""
     finished: list[int] = []
-    for source_id, plan, prompts in sources:
+    for source_id, plan, questions in sources:
         complete, rows = _source_units(session, source_id)
         if not complete or not rows:
             continue
@@ -121,7 +122,7 @@ def settle_windows_in(session: Connection, sources: Sequence[tuple[int, WindowRu
                 select(RESULTS.c.unit_id)
                 .where(RESULTS.c.unit_id.in_(chunk), RESULTS.c.scope == "window")
                 .group_by(RESULTS.c.unit_id)
-                .having(func.count(RESULTS.c.prompt_index.distinct()) >= prompts)
+                .having(func.count() >= questions)
             )
             answered.update(int(u) for (u,) in session.execute(stmt))
         unanswered = [False] * len(rows)  # per position: in a window still to answer

@@ -84,7 +84,7 @@ def test_one_read_of_units_and_answers_for_every_waiting_message(counting, setti
 
     summary = repo.job_summary(rt.db, job_id)
     assert summary["results"] == PAGES * len(SPEC.prompts)  # every unit answered, none twice
-    answered = repo.answered_prompts(rt.db, [u.unit_id for u in units])
+    answered = repo.answered_questions(rt.db, [u.unit_id for u in units])
     assert sorted(len(v) for v in answered.values()) == [2] * PAGES
     rt.close()
 

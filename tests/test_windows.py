@@ -270,7 +270,7 @@ def test_a_time_window_over_a_pdf_is_refused_before_the_job_starts(tmp_path, mon
     says = r"doc\.pdf: --window 10s counts seconds of video, and this is a PDF"
     with pytest.raises(visbatch.Error, match=says):
         visbatch.run([folder], prompts=["q"], window="10s", model=str(tmp_path / "no-model"))
-    with pytest.raises(visbatch.Error, match="window: the stride 3 must be 1 to 2"):
+    with pytest.raises(visbatch.Error, match="window='2:3': the stride 3 must be 1 to 2"):
         visbatch.run([folder], prompts=["q"], window="2:3", model=str(tmp_path / "no-model"))
 
 

@@ -238,7 +238,10 @@ class Job:
         from storage import repository as repo
         from worker.results_export import export_records
 
-        yield from export_records(repo.iter_results(self._rt.db, self.id), self.prompts)
+        state = repo.job_state(self._rt.db, self.id)
+        spec = state[1] if state else {}
+        prompts, then = list(spec.get("prompts") or []), list(spec.get("then") or [])
+        yield from export_records(repo.iter_results(self._rt.db, self.id), prompts, then)
 
     @_plain_errors
     def to_pandas(self) -> Any:

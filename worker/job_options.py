@@ -189,8 +189,9 @@ CACHE_OPTIONS: tuple[Opt, ...] = (
     ),
 )
 
-# Several units in one prompt (ingest.windows; docs/windows.md).
-WINDOW_OPTIONS: tuple[Opt, ...] = (
+# What each request sees and asks beyond one unit and one question (ingest.windows, the
+# spec's `then`; docs/windows.md).
+ASKING_OPTIONS: tuple[Opt, ...] = (
     Opt(
         "window",
         str | None,
@@ -199,6 +200,15 @@ WINDOW_OPTIONS: tuple[Opt, ...] = (
         "N[:S]: each prompt sees N consecutive pages or frames, a window every S (default S=N); "
         "Ts[:Ss]: a video's frames of each T seconds (10s:5s); all: the whole source. "
         "Default: one page or frame a prompt.",
+    ),
+    Opt(
+        "then",
+        list[str] | None,
+        None,
+        "TEXT",
+        "A follow-up turn after the preceding --prompt (repeatable): it sees the same pages or "
+        "frames, the earlier turns and their answers; one answer per turn.",
+        show_default=False,
     ),
 )
 
@@ -210,10 +220,10 @@ GROUPS: dict[str, tuple[Opt, ...]] = {
     "sampling": SAMPLING_OPTIONS,
     "budget": BUDGET_OPTIONS,
     "cache": CACHE_OPTIONS,
-    "window": WINDOW_OPTIONS,
+    "asking": ASKING_OPTIONS,
 }
 # What `run`, `submit` and `plan` take: everything that goes into a job.
-JOB_GROUPS = ("prompt", "inputs", "schema", "model", "ingest", "sampling", "budget", "cache", "window")
+JOB_GROUPS = ("prompt", "inputs", "schema", "model", "ingest", "sampling", "budget", "cache", "asking")
 
 
 def options_of(groups: Sequence[str], *, prompt_required: bool = True) -> list[Opt]:
@@ -305,6 +315,7 @@ class JobOptions:
         json_schema = self.json_schema()
         ingest, sampling, budget = self.ingest(), self.sampling(), self.budget()
         cache = self.values.get("cache") or "cold"
+        then = self.then(prompts)
         return self._checked(
             lambda: JobSpec(
                 prompts=prompts,
@@ -314,8 +325,36 @@ class JobOptions:
                 budget=budget,
                 cache=cache,
                 window=self.values.get("window"),
+                then=then,
             )
         )
+
+    def then(self, prompts: list[str]) -> list[list[str]]:
+        """The follow-up turns per prompt. The command line says which --prompt each --then
+        follows (`then_after`: its position, worker.cli.job_options); a Python caller gives one
+        list per prompt, or one list for a single prompt."""
+        given = list(self.values.get("then") or [])
+        if not given:
+            return []
+        after = self.values.get("then_after")
+        if after is not None:
+            if min(after) < 0:
+                raise UserError(
+                    "--then before any --prompt: a follow-up turn continues the --prompt before it",
+                    "write each --then after the --prompt it follows up",
+                )
+            turns: list[list[str]] = [[] for _ in prompts]
+            for position, text in zip(after, given, strict=True):
+                turns[position].append(text)
+            return turns
+        if all(isinstance(turn, str) for turn in given):
+            if len(prompts) != 1:
+                raise UserError(
+                    f"then={given!r} with {len(prompts)} prompts: which prompt does it follow?",
+                    "give one list of follow-ups per prompt: then=[['...'], ['...']]",
+                )
+            return [given]
+        return [list(turns) for turns in given]
 
     def _given(self, name: str, value: Any) -> str:
         """The option and its value as the caller wrote them."""

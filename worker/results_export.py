@@ -105,7 +105,17 @@ def span(kind: str | None, first: int, last: int, time_from: float | None, time_
 _AS_STORED = EXPORT_FIELDS[EXPORT_FIELDS.index("output") :]
 
 
-def export_record(result: dict[str, Any], prompts: list[str]) -> dict[str, Any]:
+def question(prompts: list[str], then: list[list[str]], prompt_index: int, turn: int) -> str | None:
+    """The text a result answers: its prompt (turn 0) or that prompt's follow-up turn (`--then`)."""
+    if not 0 <= prompt_index < len(prompts):
+        return None
+    turns = [prompts[prompt_index], *(then[prompt_index] if prompt_index < len(then) else [])]
+    return turns[turn] if 0 <= turn < len(turns) else None
+
+
+def export_record(
+    result: dict[str, Any], prompts: list[str], then: list[list[str]] | None = None
+) -> dict[str, Any]:
     """A row of storage.results.iter_results as an export record (EXPORT_FIELDS)."""
     index, kind, first = result["prompt_index"], result["kind"], result["unit"]
     last = first if result.get("unit_to") is None else result["unit_to"]
@@ -125,7 +135,7 @@ def export_record(result: dict[str, Any], prompts: list[str]) -> dict[str, Any]:
         "time_to": result.get("timestamp_to", result["timestamp"]) if video else None,
         "turn": result.get("turn") or 0,
         "prompt_index": index,
-        "prompt": prompts[index] if 0 <= index < len(prompts) else None,
+        "prompt": question(prompts, then or [], index, result.get("turn") or 0),
         **{key: result.get(key) for key in _AS_STORED},
     }
 
@@ -362,6 +372,8 @@ def write_by_document(
     return written
 
 
-def export_records(results: Iterable[dict[str, Any]], prompts: list[str]) -> Iterator[dict[str, Any]]:
+def export_records(
+    results: Iterable[dict[str, Any]], prompts: list[str], then: list[list[str]] | None = None
+) -> Iterator[dict[str, Any]]:
     for result in results:
-        yield export_record(result, prompts)
+        yield export_record(result, prompts, then or [])

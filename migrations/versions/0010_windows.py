@@ -5,11 +5,11 @@ results: scope   (`unit`: one page, frame or image; `window`: the units unit_id 
          unit_to (the window's last unit index, inclusive; NULL for a unit's answer),
          turn    (0: the prompt itself; a follow-up turn counts from 1).
 A window's answers are keyed by its first unit (unit_id): windows of one source start at
-different units, so (unit_id, prompt_index) stays unique.
+different units. A result is unique on (unit_id, prompt_index, turn) now (was: without turn).
 
 result_rows gains scope, unit_from/unit_to, page_from/page_to (PDFs, 1-based),
-time_from/time_to (videos, the first and last frame's time) and turn; its other columns are
-those of 0002.
+time_from/time_to (videos, the first and last frame's time) and turn; its prompt is the turn's
+question (a follow-up turn's from the spec's `then`); its other columns are those of 0002.
 
 Revision ID: 0010
 Revises: 0009
@@ -60,11 +60,28 @@ _WINDOW_END = """JOIN units AS e
 """
 
 
+# The text a row answers: its prompt (turn 0) or the prompt's follow-up turn (the spec's then).
+_PROMPT_BY_TURN = {
+    "postgresql": "CASE WHEN r.turn = 0 THEN j.spec -> 'prompts' ->> r.prompt_index"
+    " ELSE j.spec -> 'then' -> r.prompt_index ->> (r.turn - 1) END",
+    "sqlite": "CASE WHEN r.turn = 0 THEN json_extract(j.spec, '$.prompts[' || r.prompt_index || ']')"
+    " ELSE json_extract(j.spec, '$.then[' || r.prompt_index || '][' || (r.turn - 1) || ']') END",
+}
+
+
 def _view_sql(dialect: str) -> str:
-    if dialect not in _FLEET._PROMPT:
+    if dialect not in _PROMPT_BY_TURN:
         raise NotImplementedError(f"visbatch supports SQLite and PostgreSQL, not {dialect}")
-    columns = _FLEET._VIEW_COLUMNS.format(prompt=_FLEET._PROMPT[dialect]).rstrip() + _WINDOW_COLUMNS
+    columns = _FLEET._VIEW_COLUMNS.format(prompt=_PROMPT_BY_TURN[dialect]).rstrip() + _WINDOW_COLUMNS
     return f"CREATE VIEW result_rows AS SELECT {columns} {_FLEET._VIEW_FROM}{_WINDOW_END}"
+
+
+def _unique(old: tuple[str, ...], new: tuple[str, ...]) -> None:
+    """Swap the results' unique key. SQLite cannot drop a constraint: batch mode rebuilds the
+    table (a copy; its indexes, the partial one included, are made again from the models')."""
+    with op.batch_alter_table("results") as batch:
+        batch.drop_constraint(f"uq_results_{'_'.join(old)}", type_="unique")
+        batch.create_unique_constraint(f"uq_results_{'_'.join(new)}", list(new))
 
 
 def upgrade() -> None:
@@ -73,13 +90,15 @@ def upgrade() -> None:
     op.add_column("results", sa.Column("scope", sa.String(length=16), nullable=False, server_default="unit"))
     op.add_column("results", sa.Column("unit_to", sa.Integer(), nullable=True))
     op.add_column("results", sa.Column("turn", sa.Integer(), nullable=False, server_default="0"))
-    op.execute("DROP VIEW IF EXISTS result_rows")
+    op.execute("DROP VIEW IF EXISTS result_rows")  # it reads results: SQLite's rebuild needs it gone
+    _unique(("unit_id", "prompt_index"), ("unit_id", "prompt_index", "turn"))
     op.execute(_view_sql(dialect))
 
 
 def downgrade() -> None:
     dialect = op.get_bind().dialect.name
     op.execute("DROP VIEW IF EXISTS result_rows")
+    _unique(("unit_id", "prompt_index", "turn"), ("unit_id", "prompt_index"))
     op.execute(_FLEET._view_sql(dialect))
     op.drop_column("results", "turn")
     op.drop_column("results", "unit_to")

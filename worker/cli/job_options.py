@@ -14,8 +14,44 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
 from worker.job_options import JOB_GROUPS, REQUIRED, JobOptions, Opt, options_of
+
+try:  # typer vendors click (typer._click): its context and errors are not the click package's
+    from typer._click.core import Context
+    from typer._click.exceptions import UsageError
+    from typer._click.globals import get_current_context
+except ImportError:  # pragma: no cover - an older typer on the click package
+    from click import Context, UsageError, get_current_context
+
+# Where JobCommand leaves the order in which a command's options were given.
+_ORDER = "visbatch.option_order"
+
+
+class JobCommand(TyperCommand):
+    """A command with job options that also records the order in which they were given: a
+    `--then` follows up the `--prompt` before it, which click's values (one list per option)
+    no longer say."""
+
+    def parse_args(self, ctx: Context, args: list[str]) -> list[str]:
+        try:
+            _, _, order = self.make_parser(ctx).parse_args(args=list(args))
+        except UsageError:
+            order = []  # the real parse below reports it
+        ctx.meta[_ORDER] = [param.name for param in order]
+        return super().parse_args(ctx, args)
+
+
+def _then_after(order: list[str | None]) -> list[int]:
+    """For each --then given, the position of the --prompt before it (-1: none)."""
+    prompts, after = 0, []
+    for name in order:
+        if name == "prompt":
+            prompts += 1
+        elif name == "then":
+            after.append(prompts - 1)
+    return after
 
 
 def typer_annotation(opt: Opt) -> Any:
@@ -53,6 +89,9 @@ def job_options(
         @functools.wraps(fn)
         def command(**kwargs: Any) -> Any:
             values = {opt.name: kwargs.pop(opt.name) for opt in chosen}
+            ctx = get_current_context(silent=True)
+            if values.get("then") and ctx is not None and _ORDER in ctx.meta:
+                values["then_after"] = _then_after(ctx.meta[_ORDER])
             return fn(job=JobOptions(values), **kwargs)
 
         command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]

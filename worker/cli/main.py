@@ -476,7 +476,7 @@ def results(
     db = stored_database(Settings())
     summary = job_summary(db, job, max_errors=0)
     prompts = list(summary["spec"].get("prompts") or [])
-    records = export_records(iter_results(db, summary["id"]), prompts)
+    records = export_records(iter_results(db, summary["id"]), prompts, summary["spec"].get("then") or [])
     if by_document is not None:
         as_json = summary["spec"].get("json_schema") is not None
         written = write_by_document(records, by_document, prompts, as_json=as_json, job_id=summary["id"])

@@ -21,7 +21,7 @@ from rich.markup import escape
 
 from worker.cli.exits import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_PARTIAL
 from worker.cli.inputs import check_readable, chosen_files, unreadable_lines
-from worker.cli.job_options import job_options
+from worker.cli.job_options import JobCommand, job_options
 from worker.cli.main import JobId, console, make_runtime
 from worker.cli.output import model_origin, print_preview, print_summary, progress_display
 from worker.cli.plan import plan
@@ -238,7 +238,7 @@ def _run_embedded(rt: Any, start: Any, metrics_port: int | None = None) -> None:
         _exit_for(summary["status"])
 
 
-@app.command()
+@app.command(cls=JobCommand)
 @job_options()
 def run(paths: Paths, job: JobOptions, metrics_port: MetricsPort = None) -> None:
     """Run a job in this process and wait for its answers.
@@ -297,7 +297,7 @@ def resume(job: JobId, metrics_port: MetricsPort = None) -> None:
     _run_embedded(rt, lambda embedded, on_job: embedded.resume(full_id, on_job), metrics_port)
 
 
-@app.command()
+@app.command(cls=JobCommand)
 @job_options()
 def submit(
     inputs: Annotated[
@@ -407,4 +407,4 @@ def ingest(
     run_ingest(files, out_dir, job.model, options, processes=processes, overwrite=overwrite)
 
 
-app.command("plan")(plan)
+app.command("plan", cls=JobCommand)(plan)

@@ -53,6 +53,9 @@ class EngineRequest:
     # (the openai engine: vLLM's chat API takes embeddings only in messages) sends it instead and
     # checks that the server's rendering gives back `prompt_ids` exactly.
     prompt: str | None = None
+    # A follow-up turn's earlier turns, (question, answer) each, in `prompt_ids` already (the
+    # openai engine sends them as messages).
+    history: tuple[tuple[str, str], ...] = ()
 
     @property
     def sampling_key(self) -> tuple[float, float, int]:

@@ -325,14 +325,19 @@ class OpenAIEngine(VLLMFedEngine):
         if request.prompt is None:
             raise RequestRejected("the openai engine needs the prompt text (EngineRequest.prompt)")
         greedy = request.temperature <= 0
+        # The adapter's own messages (its template_ids): the image first, then the first question;
+        # a follow-up turn's earlier answers as the assistant's turns, its question last.
+        questions = [question for question, _ in request.history] + [request.prompt]
+        messages: list[dict[str, Any]] = [
+            {"role": "user", "content": [image_part(self.adapter, request), _text(questions[0])]}
+        ]
+        for (_, answer), question in zip(request.history, questions[1:], strict=True):
+            messages += [
+                {"role": "assistant", "content": [_text(answer)]},
+                {"role": "user", "content": [_text(question)]},
+            ]
         body: dict[str, Any] = {
-            # The adapter's own message: the image first, then the prompt (its template_ids).
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [image_part(self.adapter, request), {"type": "text", "text": request.prompt}],
-                }
-            ],
+            "messages": messages,
             "max_tokens": request.max_new_tokens,
             # Every sampling field, with the values the in-process engine's SamplingParams get: an
             # unset one would take the model's generation_config.json default at the server.
@@ -484,3 +489,7 @@ class OpenAIEngine(VLLMFedEngine):
             if base in totals:
                 totals[base] += float(value)
         return totals
+
+
+def _text(text: str) -> dict[str, str]:
+    return {"type": "text", "text": text}

@@ -160,8 +160,17 @@ class ModelAdapter(ABC):
     def encode(self, images: list[Image.Image], bounds: PixelBounds | None = None) -> list[VisualTokens]:
         """Run the vision tower over a batch of images (resized within `bounds`)."""
 
-    def prompt_ids(self, prompt: str, visual: VisualTokens | Sequence[VisualTokens] | None) -> list[int]:
+    def prompt_ids(
+        self,
+        prompt: str,
+        visual: VisualTokens | Sequence[VisualTokens] | None,
+        history: Sequence[tuple[str, str]] = (),
+    ) -> list[int]:
         """Token ids of the chat prompt with the image(s) first and their placeholders expanded.
+
+        `history`: the conversation's earlier turns, (question, answer) each (a follow-up turn,
+        `--then`): the images go with the first question, each answer is the assistant's turn,
+        and `prompt` is the last user turn.
 
         `visual` is one image's tokens, or several images' in order (a window of pages or frames:
         one user turn with an image entry each, as the model's own processor lays out several
@@ -181,7 +190,7 @@ class ModelAdapter(ABC):
                 "prompt_ids takes the images' VisualTokens (their layout shapes the prompt), "
                 f"or None for the text alone; got {type(visual).__name__}"
             )
-        return self.template_ids(prompt, images)
+        return self.template_ids(prompt, images, history)
 
     # The processor's placeholder of one image in the chat template's text ("<image>", ...).
     @property
@@ -191,15 +200,24 @@ class ModelAdapter(ABC):
     # Whether the tokenizer adds its special tokens (BOS) to the rendered chat text.
     add_special_tokens: bool = True
 
-    def template_ids(self, prompt: str, images: list[VisualTokens | None]) -> list[int]:
+    def template_ids(
+        self, prompt: str, images: list[VisualTokens | None], history: Sequence[tuple[str, str]] = ()
+    ) -> list[int]:
         """`prompt_ids` for a checked list of images: the chat template rendered with an image entry
         per image, each placeholder replaced by that image's own expansion (`image_text`), as the
         model's processor does it, then tokenized."""
         placeholder = self.image_placeholder
-        if any(marker in prompt for marker in self.reserved_markers()):
+        texts = [prompt, *(text for turn in history for text in turn)]
+        if any(marker in text for text in texts for marker in self.reserved_markers()):
             raise ValueError("the prompt must not contain image placeholder tokens")
         content: list[dict[str, str]] = [{"type": "image"} for _ in images]
-        messages = [{"role": "user", "content": [*content, {"type": "text", "text": prompt}]}]
+        questions = [question for question, _ in history] + [prompt]
+        messages: list[dict[str, Any]] = [
+            {"role": "user", "content": [*content, {"type": "text", "text": questions[0]}]}
+        ]
+        for (_, answer), question in zip(history, questions[1:], strict=True):
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
+            messages.append({"role": "user", "content": [{"type": "text", "text": question}]})
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         parts = text.split(placeholder)
         if len(parts) != len(images) + 1:

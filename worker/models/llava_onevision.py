@@ -47,6 +47,7 @@ same way on two clients' pages. Token counts vary with every page size here, so 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cached_property
 from types import SimpleNamespace
 from typing import Any
@@ -166,7 +167,9 @@ class LlavaOnevisionAdapter(ModelAdapter):
             out.append(VisualTokens(embeds=embeds.to("cpu", self.dtype).clone(), grid_thw=grid))
         return out
 
-    def template_ids(self, prompt: str, images: list[VisualTokens | None]) -> list[int]:
+    def template_ids(
+        self, prompt: str, images: list[VisualTokens | None], history: Sequence[tuple[str, str]] = ()
+    ) -> list[int]:
         if len(images) > 1:
             # The processor gives each image of a several-image prompt ONE view, padded to a
             # square (`batch_num_images` > 1: no AnyRes tiles): other pixels than a cache entry's
@@ -175,7 +178,7 @@ class LlavaOnevisionAdapter(ModelAdapter):
                 "several images in one LLaVA-OneVision prompt: each is then one view padded to a "
                 "square, which its cache entry (AnyRes tiles) does not hold"
             )
-        return super().template_ids(prompt, images)
+        return super().template_ids(prompt, images, history)
 
     def reserved_markers(self) -> list[str]:
         return [self.image_placeholder, self.processor.video_token]

@@ -176,6 +176,18 @@ class Plan:
         return asdict(self)
 
 
+def _question_tokens(spec: JobSpec, counter: Callable[[str], int]) -> list[int]:
+    """Prompt tokens of every request a unit (or window) makes: each prompt, and each follow-up
+    turn (`--then`) with the turns before it and their answers, counted at --max-new-tokens."""
+    counts = []
+    for p in range(len(spec.prompts)):
+        before = 0
+        for question in spec.turns(p):
+            counts.append(counter(question) + before)
+            before += counter(question) + spec.sampling.max_new_tokens
+    return counts
+
+
 def _windowed(visuals: list[int], spec: JobSpec, duration: float | None) -> list[int]:
     """Visual tokens per window of a source's units (ingest.windows); a video's frames taken as
     spread evenly over its duration (as --fps and --num-frames sample them)."""
@@ -203,7 +215,7 @@ def plan_job(
     max_new = spec.sampling.max_new_tokens
     per_token = model.kv.bytes_per_token(element_bytes)
     counter = model.prompt_tokens or estimate_prompt_tokens
-    prompt_counts = [counter(p) for p in spec.prompts]
+    prompt_counts = _question_tokens(spec, counter)
     bounds = job_bounds(spec.budget, list(spec.prompts), spec.json_schema, model.geometry)
     effective = bounds or model.geometry.default
     level = resolve_level(spec.budget, list(spec.prompts), spec.json_schema)

@@ -33,7 +33,7 @@ from storage.models import UnitStatus
 from storage.rows import ResultRow, UnitTask, WindowTask
 from worker import metrics
 from worker.retry import describe
-from worker.stages.generate.requests import Prepared
+from worker.stages.generate.requests import Prepared, Question
 from worker.stages.generate.submissions import JobUnits, Submission, Ticket, UnitIds, UnitsOutcome
 from worker.stages.needs import GenerateNeeds
 from worker.stages.runner import RetriesSpent
@@ -116,7 +116,7 @@ class GenerateLoop:
         try:
             answered = (
                 self.rt.retry.call(
-                    lambda: repo.answered_prompts(self.rt.db, fresh), what="reading answers", stop=self.stop
+                    lambda: repo.answered_questions(self.rt.db, fresh), what="reading answers", stop=self.stop
                 )
                 if fresh
                 else {}
@@ -201,7 +201,9 @@ class GenerateLoop:
                 out.append((JobUnits(windows, req.spec), ticket))
         return out
 
-    def _add(self, job: JobUnits, ticket: Ticket | None, answered: dict[int, set[int]]) -> None:
+    def _add(
+        self, job: JobUnits, ticket: Ticket | None, answered: dict[int, dict[tuple[int, int], str]]
+    ) -> None:
         spec = job.spec
         refused = [u for u in job.units if u.job_id in self._stopped]
         if refused and ticket is not None:
@@ -213,20 +215,39 @@ class GenerateLoop:
             if unit.unit_id in self._work and ticket is not None:  # redelivered while in flight
                 self._work[unit.unit_id].tickets.append(ticket)
         for unit in fresh:
-            prompts = [p for p in range(len(spec.prompts)) if p not in answered.get(unit.unit_id, ())]
-            work = _Work(unit, spec, waiting=len(prompts), tickets=[ticket] if ticket else [])
-            if not prompts:  # every answer is stored already: only the unit's state is left
+            questions = _questions_left(spec, answered.get(unit.unit_id, {}))
+            waiting = sum(len(spec.turns(q.prompt_index)) - q.turn for q in questions)
+            work = _Work(unit, spec, waiting=waiting, tickets=[ticket] if ticket else [])
+            if not questions:  # every answer is stored already: only the unit's state is left
                 self._answered.append(work)
                 continue
             self._work[unit.unit_id] = work
-            now = time.monotonic()
-            for prepared in self.builder.prepare(unit, spec, prompts):
-                request_id = f"{unit.unit_id}:{prepared.prompt_index}:{next(self._sequence)}"
-                if prepared.request is None:
-                    self._answer(work, self.builder.row(prepared, None, 0.0))
-                    continue
-                self._requests[request_id] = (prepared, now)
-                self.engine.add(request_id, prepared.request)
+            for prepared in self.builder.prepare(unit, spec, questions):
+                self._ask(work, prepared)
+
+    def _ask(self, work: _Work, prepared: Prepared) -> None:
+        """Give the request to the engine; one that cannot be asked is answered with why."""
+        if prepared.request is None:
+            self._turn_answered(work, prepared, self.builder.row(prepared, None, 0.0))
+            return
+        unit_id = prepared.unit.unit_id
+        request_id = f"{unit_id}:{prepared.prompt_index}:{prepared.turn}:{next(self._sequence)}"
+        self._requests[request_id] = (prepared, time.monotonic())
+        self.engine.add(request_id, prepared.request)
+
+    def _turn_answered(self, work: _Work, prepared: Prepared, row: ResultRow) -> None:
+        """A turn's answer: the conversation's next turn is asked with it (`--then`); after a
+        turn without an answer, the later turns are answered with why."""
+        self._answer(work, row)
+        if prepared.last_turn:
+            return
+        if row.error is None and row.text is not None and prepared.request is not None:
+            self._ask(work, self.builder.follow_up(prepared, row.text))
+            return
+        for turn in range(prepared.turn + 1, len(prepared.spec.turns(prepared.prompt_index))):
+            why = f"not asked: turn {prepared.turn} has no answer ({row.error})"
+            skipped = Prepared(prepared.unit, prepared.spec, prepared.prompt_index, None, why, turn)
+            self._answer(work, self.builder.row(skipped, None, 0.0))
 
     # --- running -------------------------------------------------------------------------------
 
@@ -256,7 +277,8 @@ class GenerateLoop:
                 metrics.REQUEST_SECONDS.observe(now - added)
                 work = self._work.get(prepared.unit.unit_id)
                 if work is not None:
-                    self._answer(work, self.builder.row(prepared, generation, (now - added) * 1000.0))
+                    row = self.builder.row(prepared, generation, (now - added) * 1000.0)
+                    self._turn_answered(work, prepared, row)
         metrics.IN_FLIGHT.set(len(self._requests))
         self._maybe_poll()
         if self._answered and (
@@ -284,7 +306,8 @@ class GenerateLoop:
         for prepared, _ in requests.values():
             work = self._work.get(prepared.unit.unit_id)
             if work is not None:
-                self._answer(work, dataclasses.replace(self.builder.row(prepared, None, 0.0), error=message))
+                row = dataclasses.replace(self.builder.row(prepared, None, 0.0), error=message)
+                self._turn_answered(work, prepared, row)
 
     def _spent(self, exc: Exception) -> RetriesSpent:
         """A database error this loop has retried already: its submitter gives it up, never
@@ -303,7 +326,7 @@ class GenerateLoop:
             units = [(w.unit.job_id, w.unit.unit_id) for w in answered if isinstance(w.unit, UnitTask)]
             # A window's units are done once all their windows are answered: settled by source.
             windows = {
-                (w.unit.job_id, w.unit.source_id): (w.spec.window_plan(), len(w.spec.prompts))
+                (w.unit.job_id, w.unit.source_id): (w.spec.window_plan(), len(w.spec.questions()))
                 for w in answered
                 if isinstance(w.unit, WindowTask)
             }
@@ -407,6 +430,19 @@ class GenerateLoop:
 
     def drop_all(self, error: BaseException | None = None) -> None:
         self.drop_jobs(self.jobs(), error)
+
+
+def _questions_left(spec: JobSpec, answered: dict[tuple[int, int], str]) -> list[Question]:
+    """What a unit (or window) is still to be asked: per prompt, its first turn without a good
+    answer, after the earlier turns' stored answers (a resumed conversation goes on from there)."""
+    left = []
+    for p in range(len(spec.prompts)):
+        turns = spec.turns(p)
+        first = next((t for t in range(len(turns)) if (p, t) not in answered), None)
+        if first is not None:
+            history = tuple((turns[t], answered[p, t]) for t in range(first))
+            left.append(Question(p, first, history))
+    return left
 
 
 def _count(rows: list[tuple[str, ResultRow]], units: int) -> None:

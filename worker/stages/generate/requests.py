@@ -8,6 +8,7 @@ its units' cached tokens in order, laid out as the model's processor lays out se
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,19 @@ from worker.engines.base import EngineRequest, Generation
 from worker.engines.structured import validate_output
 from worker.models.base import ModelAdapter
 from worker.tokens.store import VisualTokenStore
+from worker.tokens.tensors import VisualTokens
+
+# A follow-up turn's earlier turns: (question, answer) each, in order.
+History = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Question:
+    """One question a unit (or window) is asked: a prompt's turn, after its earlier turns."""
+
+    prompt_index: int
+    turn: int = 0
+    history: History = ()
 
 
 @dataclass(frozen=True)
@@ -29,6 +43,16 @@ class Prepared:
     prompt_index: int
     request: EngineRequest | None
     error: str | None = None
+    turn: int = 0
+    history: History = ()
+
+    @property
+    def question(self) -> str:
+        return self.spec.turns(self.prompt_index)[self.turn]
+
+    @property
+    def last_turn(self) -> bool:
+        return self.turn == len(self.spec.turns(self.prompt_index)) - 1
 
 
 class RequestBuilder:
@@ -48,55 +72,79 @@ class RequestBuilder:
         return self._text_tokens[prompt]
 
     def prepare(
-        self, unit: UnitTask | WindowTask, spec: JobSpec, prompt_indexes: list[int]
+        self, unit: UnitTask | WindowTask, spec: JobSpec, questions: Sequence[int | Question]
     ) -> list[Prepared]:
-        """The unit (or window) asked each of these prompts of its job; its tokens read once for
-        all of them."""
-        shown = unit.units if isinstance(unit, WindowTask) else (unit,)
+        """The unit (or window) asked each of these questions (a prompt's index: its first turn);
+        its tokens read once for all of them."""
+        asked = [q if isinstance(q, Question) else Question(q) for q in questions]
         try:
-            if isinstance(unit, WindowTask) and unit.failed:
-                raise _NotAsked("; ".join(unit.failed))
-            if not shown:
-                raise _NotAsked(
-                    "every frame of the window repeats an earlier one (skipped as near-duplicates)"
-                )
-            visual, keys = [], []
-            for one in shown:
-                # The resize bounds the unit was counted with at ingest (its job's budget); None: the model's.
-                bounds = PixelBounds.of(one.min_pixels, one.max_pixels)
-                if one.image_key is None:
-                    raise ValueError("the unit has no image")
-                visual.append(self.token_store.for_policy(spec.cache).get(one.image_key, bounds))
-                keys.append(self.token_store.cache_key(one.image_key, bounds))
+            images, cache_key = self._images(unit, spec)
         except _NotAsked as exc:
-            return [Prepared(unit, spec, p, None, str(exc)) for p in prompt_indexes]
+            return [Prepared(unit, spec, q.prompt_index, None, str(exc), q.turn) for q in asked]
         except Exception as exc:
             error = f"visual tokens unavailable: {type(exc).__name__}: {exc}"
-            return [Prepared(unit, spec, p, None, error) for p in prompt_indexes]
-        images = visual[0] if not isinstance(unit, WindowTask) else tuple(visual)
-        cache_key = "+".join(keys)
+            return [Prepared(unit, spec, q.prompt_index, None, error, q.turn) for q in asked]
+        return [self._request(unit, spec, q, images, cache_key) for q in asked]
+
+    def follow_up(self, prepared: Prepared, answer: str) -> Prepared:
+        """The next turn of `prepared`'s conversation after its answer; the same images."""
+        assert prepared.request is not None
+        history = (*prepared.history, (prepared.question, answer))
+        question = Question(prepared.prompt_index, prepared.turn + 1, history)
+        return self._request(
+            prepared.unit, prepared.spec, question, prepared.request.visual, prepared.request.cache_key
+        )
+
+    def _images(
+        self, unit: UnitTask | WindowTask, spec: JobSpec
+    ) -> tuple[VisualTokens | tuple[VisualTokens, ...], str]:
+        """The unit's visual tokens (a window's: its units' in order) and their cache key."""
+        shown = unit.units if isinstance(unit, WindowTask) else (unit,)
+        if isinstance(unit, WindowTask) and unit.failed:
+            raise _NotAsked("; ".join(unit.failed))
+        if not shown:
+            raise _NotAsked("every frame of the window repeats an earlier one (skipped as near-duplicates)")
+        visual, keys = [], []
+        for one in shown:
+            # The resize bounds the unit was counted with at ingest (its job's budget); None: the model's.
+            bounds = PixelBounds.of(one.min_pixels, one.max_pixels)
+            if one.image_key is None:
+                raise ValueError("the unit has no image")
+            visual.append(self.token_store.for_policy(spec.cache).get(one.image_key, bounds))
+            keys.append(self.token_store.cache_key(one.image_key, bounds))
+        images = tuple(visual) if isinstance(unit, WindowTask) else visual[0]
+        return images, "+".join(keys)
+
+    def _request(
+        self,
+        unit: UnitTask | WindowTask,
+        spec: JobSpec,
+        question: Question,
+        images: VisualTokens | tuple[VisualTokens, ...],
+        cache_key: str,
+    ) -> Prepared:
+        text = spec.turns(question.prompt_index)[question.turn]
+        p, turn, history = question.prompt_index, question.turn, question.history
+        try:
+            prompt_ids = self.adapter.prompt_ids(text, images, history)
+        except ValueError as exc:  # this model cannot take this request (e.g. several images)
+            return Prepared(unit, spec, p, None, f"cannot build the prompt: {exc}", turn, history)
         s = spec.sampling
-        return [
-            Prepared(
-                unit,
-                spec,
-                p,
-                EngineRequest(
-                    prompt_ids=self.adapter.prompt_ids(spec.prompts[p], images),
-                    visual=images,
-                    cache_key=cache_key,
-                    max_new_tokens=s.max_new_tokens,
-                    temperature=s.temperature,
-                    top_p=s.top_p,
-                    seed=s.seed,
-                    json_schema=spec.json_schema,
-                    prune_keep=spec.budget.prune_keep,
-                    merge_keep=spec.budget.merge_keep,
-                    prompt=spec.prompts[p],
-                ),
-            )
-            for p in prompt_indexes
-        ]
+        request = EngineRequest(
+            prompt_ids=prompt_ids,
+            visual=images,
+            cache_key=cache_key,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            json_schema=spec.json_schema,
+            prune_keep=spec.budget.prune_keep,
+            merge_keep=spec.budget.merge_keep,
+            prompt=text,
+            history=history,
+        )
+        return Prepared(unit, spec, p, request, None, turn, history)
 
     def row(self, prepared: Prepared, outcome: Generation | None, latency_ms: float) -> ResultRow:
         """The result of one request: its answer (validated against the schema), or its error."""
@@ -104,11 +152,12 @@ class RequestBuilder:
         prompt_tokens = (
             len(request.prompt_ids) - request.visual_tokens
             if request is not None
-            else self.text_tokens(spec.prompts[prepared.prompt_index])
+            else self.text_tokens(prepared.question)
         )
         common = dict(
             unit_id=unit.unit_id,
             prompt_index=prepared.prompt_index,
+            turn=prepared.turn,
             prompt_tokens=prompt_tokens,
             visual_tokens=unit.visual_tokens or 0,
             model=self.model_name,

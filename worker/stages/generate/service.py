@@ -18,8 +18,8 @@ log = logging.getLogger(__name__)
 
 
 def _requests(job: JobUnits | UnitIds) -> int:
-    """Requests a submission adds to the engine at most (a unit's prompts)."""
-    return job.size * len(job.spec.prompts)
+    """Requests a submission adds to the engine at most (a unit's prompts and their turns)."""
+    return job.size * len(job.spec.questions())
 
 
 class GenerateService:
