@@ -311,3 +311,25 @@ def test_the_result_rows_view_says_what_a_window_covers(db) -> None:
     ]
     exported = [(r["unit"], r["unit_to"], r["timestamp_to"]) for r in repo.iter_results(db, job_id)]
     assert exported == [(0, 1, None), (2, 2, None), (0, 2, 5.0)]
+
+
+def test_a_window_over_the_models_context_is_refused_by_plan_and_run(tiny_model_dir, tmp_path, monkeypatch):
+    """The tiny model's context is 32,768 tokens: a whole 5-page PDF in one window with 32,000
+    new tokens does not fit; `plan` and `run` say so (exit 2) with the tokens, the limit and the
+    fixes, and nothing runs."""
+    from typer.testing import CliRunner
+
+    from worker.cli.main import app
+
+    monkeypatch.setenv("VISBATCH_HOME", str(tmp_path / "home"))
+    folder = _inputs(tmp_path, pages=5)
+    args = [str(folder), "--model", str(tiny_model_dir), "--window", "all", "--max-new-tokens", "32000"]
+    for command in (["plan"], ["run", "-p", "Total?"]):
+        result = CliRunner().invoke(app, [*command, *args])
+        assert result.exit_code == 2, result.output
+        assert "doc.pdf: a window of its pages or frames is" in result.output
+        assert (
+            "over the model's context of 32,768 tokens" in result.output and "--detail low" in result.output
+        )
+    assert CliRunner().invoke(app, ["plan", *args[:-1], "4"]).exit_code == 0
+    assert "lm_visual_tokens" in CliRunner().invoke(app, ["plan", *args[:-1], "4", "--json"]).output

@@ -90,7 +90,14 @@ def plan(
     # Imported here: the survey needs PyMuPDF and PyAV, which other commands should not pay for.
     from ingest.limits import Limits
     from worker.cli.inputs import chosen_files
-    from worker.planning.planner import Throughput, dtype_bytes, load_plan_model, plan_job
+    from worker.planning.planner import (
+        WINDOW_FIXES,
+        Throughput,
+        dtype_bytes,
+        load_plan_model,
+        plan_job,
+        windows_over_context,
+    )
 
     settings = Settings()
     spec = job.spec(default_prompt=DEFAULT_PLAN_PROMPT)
@@ -136,6 +143,9 @@ def plan(
         print(json.dumps(result.as_dict(), indent=2))
     else:
         print_plan(result)
+    refused = windows_over_context(result)
+    if refused:
+        raise UserError("; ".join(refused), WINDOW_FIXES)
 
 
 def plan_table(result: Plan) -> Table:

@@ -89,7 +89,7 @@ def local_inputs(paths: list[Path]) -> list[SourceInput]:
 
 def start_local_job(rt: Runtime, paths: list[Path], spec: JobSpec) -> tuple[str, list[SourceToIngest]]:
     files = expand_paths(paths)
-    refuse_misfit_window(spec, files)
+    refuse_misfit_window(spec, files, rt.model_name, rt.settings)
     return start_job(rt, spec, local_inputs(files))
 
 

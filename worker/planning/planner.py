@@ -85,6 +85,7 @@ class PlanModel:
     count_visual_tokens: Callable[[int, int, PixelBounds | None], int]
     prompt_tokens: Callable[[str], int] | None  # None: no tokenizer, estimated
     shape: ModelShape | None = None  # cache width and parameter counts (fleet figures)
+    context: int | None = None  # the LM's context in tokens (None: its config does not say)
 
 
 def load_plan_model(model: str, revision: str | None = None) -> PlanModel:
@@ -105,7 +106,17 @@ def load_plan_model(model: str, revision: str | None = None) -> PlanModel:
         shape: ModelShape | None = model_shape(config)
     except (KeyError, TypeError, ValueError):  # a config sizing cannot read: no fleet figures
         shape = None
-    return PlanModel(model, rule.token_geometry, kv, rule.count_visual_tokens, prompt_tokens, shape)
+    text = config.get("text_config") or config
+    context = text.get("max_position_embeddings") or config.get("max_position_embeddings")
+    return PlanModel(
+        model,
+        rule.token_geometry,
+        kv,
+        rule.count_visual_tokens,
+        prompt_tokens,
+        shape,
+        int(context) if context else None,
+    )
 
 
 def estimate_prompt_tokens(prompt: str) -> int:
@@ -144,12 +155,16 @@ class SourcePlan:
     requests: int = 0  # units x prompts
     visual_tokens: int = 0  # per unit, summed (what ingest records)
     visual_tokens_max: int = 0  # of one unit
+    # Visual tokens the LM is given over all requests: each unit's once per question, a window's
+    # units once per window and question (overlapping windows show a unit again).
+    lm_visual_tokens: int = 0
     prompt_tokens: int = 0  # over all requests
     tokens: int = 0  # over all requests: visual + prompt + max new tokens
     kv_bytes_per_request: int = 0  # the largest request
     duration_s: float | None = None
     max_pixels: int | None = None  # the bounds this source's units get (None: the model's own)
     error: str | None = None
+    over_context: bool = False  # a window that does not fit the model's context (error says so)
     notes: list[str] = field(default_factory=list)
 
 
@@ -174,6 +189,19 @@ class Plan:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# What to change when a window does not fit the model's context.
+WINDOW_FIXES = (
+    "fewer tokens per frame (--detail low, --max-tokens-per-frame N), a smaller --window "
+    "or fewer --max-new-tokens"
+)
+
+
+def windows_over_context(plan: Plan) -> list[str]:
+    """The sources whose windows do not fit the model's context, with their tokens (a job with
+    any is refused before it starts: `plan`, `run`, `submit`)."""
+    return [f"{Path(s.source).name}: {s.error}" for s in plan.sources if s.over_context]
 
 
 def _question_tokens(spec: JobSpec, counter: Callable[[str], int]) -> list[int]:
@@ -253,7 +281,15 @@ def plan_job(
             for prompt_tokens in prompt_counts:
                 plan.requests += 1
                 plan.prompt_tokens += prompt_tokens
+                plan.lm_visual_tokens += visual
                 plan.tokens += visual + prompt_tokens + max_new
+        longest = max(shown, default=0) + max(prompt_counts) + max_new
+        if spec.window is not None and shown and model.context is not None and longest > model.context:
+            plan.over_context = True
+            plan.error = (
+                f"a window of its pages or frames is {longest:,} tokens with the prompt and "
+                f"--max-new-tokens, over the model's context of {model.context:,} tokens"
+            )
         if shown:
             plan.kv_bytes_per_request = per_token * (max(shown) + max(prompt_counts) + max_new)
         plans.append(plan)
@@ -262,6 +298,7 @@ def plan_job(
         total.units += p.units
         total.requests += p.requests
         total.visual_tokens += p.visual_tokens
+        total.lm_visual_tokens += p.lm_visual_tokens
         total.visual_tokens_max = max(total.visual_tokens_max, p.visual_tokens_max)
         total.prompt_tokens += p.prompt_tokens
         total.tokens += p.tokens

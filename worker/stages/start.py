@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ingest.spec import JobSpec
 from storage import repository as repo
+from visbatch.settings import Settings
 from worker.errors import UserError
 from worker.stages.needs import StartNeeds
 
@@ -48,22 +49,33 @@ def start_job(
     ]
 
 
-def refuse_misfit_window(spec: JobSpec, paths: list[Path]) -> None:
-    """A time window (`--window 10s`) over a PDF or an image is refused before the job starts,
-    naming the file (UserError: exit 2). An input read elsewhere (s3://, a drop folder) is refused
-    by its own source instead, at ingest (worker.stages.ingest)."""
+def refuse_misfit_window(spec: JobSpec, paths: list[Path], model: str, settings: Settings) -> None:
+    """A job whose windows cannot run is refused before it starts, naming the file (UserError:
+    exit 2): a time window (`--window 10s`) over a PDF or an image, and a window whose tokens do
+    not fit the model's context (the planner's count: worker.planning). An input read elsewhere
+    (s3://, a drop folder) is refused by its own source instead, at ingest."""
     plan = spec.window_plan()
-    if plan is None or not plan.by_time:
+    if plan is None:
         return
-    from ingest.detect import still_kind  # PyAV with it: only for a job that has a time window
+    from ingest.detect import still_kind  # PyAV with it: only for a job that has a window
 
     for path in paths:
-        kind = still_kind(path)
+        kind = still_kind(path) if plan.by_time else None
         if kind is not None:
             raise UserError(
                 f"{path}: --window {spec.window} counts seconds of video, and this is {_A_KIND[kind]}",
                 "give videos only, or a window of pages: --window N[:S]",
             )
+    from ingest.limits import Limits
+    from worker.planning.planner import WINDOW_FIXES, load_plan_model, plan_job, windows_over_context
+
+    try:
+        plan_model = load_plan_model(model, settings.model_revision)
+    except (OSError, ValueError):  # the model cannot be read: loading it says so, with the fix
+        return
+    refused = windows_over_context(plan_job(paths, spec, plan_model, limits=Limits.from_settings(settings)))
+    if refused:
+        raise UserError("; ".join(refused), WINDOW_FIXES)
 
 
 _A_KIND = {"pdf": "a PDF", "image": "an image"}

@@ -63,9 +63,8 @@ def enqueue_ingest(job_id: str, sources: list[SourceToIngest]) -> None:
 def submit_job(rt: Runtime, inputs: list[str], spec: JobSpec) -> str:
     """Create the job and its sources (storage.jobs.start_job), then one ingest task per source.
     Where each source is read is recorded, so that the fleet can resume a stalled job itself."""
-    refuse_misfit_window(
-        spec, [p for i in inputs if not i.startswith("s3://") for p in expand_paths([Path(i)])]
-    )
+    local = expand_paths([Path(i) for i in inputs if not i.startswith("s3://")])
+    refuse_misfit_window(spec, local, rt.model_name, rt.settings)
     job_id, sources = start_job(rt, spec, resolve_inputs(rt, inputs), fleet=True)
     try:
         enqueue_ingest(job_id, sources)
