@@ -477,7 +477,10 @@ def iter_unit_pairs(
             chunk = [UnitPair(**row._mapping) for row in rows]
             ids = [p.unit_a for p in chunk] + [p.unit_b for p in chunk]
             answers: dict[int, dict[int, Answer]] = {}
-            stmt = select(r.unit_id, r.prompt_index, r.output, r.text, r.error).where(r.unit_id.in_(ids))
+            # First turns only: a follow-up turn (`--then`) is not matched yet (docs/windows.md).
+            stmt = select(r.unit_id, r.prompt_index, r.output, r.text, r.error).where(
+                r.unit_id.in_(ids), r.turn == 0
+            )
             for unit_id, prompt_index, output, text, error in session.execute(stmt):
                 answers.setdefault(unit_id, {})[prompt_index] = Answer(output, text, error)
             for pair in chunk:

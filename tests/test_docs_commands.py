@@ -169,9 +169,9 @@ def sandbox(tmp_path, tiny_model_dir) -> tuple[Path, dict[str, str]]:
     return tmp_path, env
 
 
-def _runnable(lang: str) -> list[Block]:
-    found = [b for b in blocks(ROOT / "README.md") if b.run and b.lang == lang]
-    assert found, f"README.md has no runnable {lang} block ({RUN_MARK})"
+def _runnable(lang: str, doc: str = "README.md") -> list[Block]:
+    found = [b for b in blocks(ROOT / doc) if b.run and b.lang == lang]
+    assert found, f"{doc} has no runnable {lang} block ({RUN_MARK})"
     return found
 
 
@@ -195,6 +195,26 @@ def test_the_readme_tour_runs_as_written(sandbox):
     assert [p.suffix for p in written if not p.name.startswith(".")] == [".md", ".md"]
     assert (folder / "review" / "index.html").is_file()
     assert "|1|What is on this page?|" in done.stdout  # sqlite3: a page numbered from 1, its prompt
+
+
+@pytest.mark.slow
+def test_the_windows_example_runs_as_written(sandbox):
+    folder, env = sandbox
+    [example] = _runnable("bash", "docs/windows.md")
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", example.text],
+        cwd=folder, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "over windows of 2 pages or frames" in done.stdout, done.stdout
+    header = (folder / "windows.csv").read_text().splitlines()[0]
+    assert "scope,unit_from,unit_to,page_from,page_to,time_from,time_to,turn" in header
+    # invoice.pdf's 3 pages two by two, the clip's frames too; 2 turns each.
+    rows = [line.split("|") for line in done.stdout.splitlines() if line.count("|") == 6]
+    pdf = [row[1:6] for row in rows if row[0].endswith("invoice.pdf")]
+    assert pdf == [[*pages, "", "", turn] for pages in (["1", "2"], ["3", "3"]) for turn in "01"], rows
+    clip = [row[1:6] for row in rows if row[0].endswith("clip.mp4")]
+    assert clip and all(float(row[2]) < float(row[3]) for row in clip), rows
 
 
 @pytest.mark.slow
