@@ -333,3 +333,22 @@ def test_a_window_over_the_models_context_is_refused_by_plan_and_run(tiny_model_
         )
     assert CliRunner().invoke(app, ["plan", *args[:-1], "4"]).exit_code == 0
     assert "lm_visual_tokens" in CliRunner().invoke(app, ["plan", *args[:-1], "4", "--json"]).output
+
+
+def test_windows_where_a_request_takes_one_image_are_refused_up_front() -> None:
+    """The vLLM and openai engines, and LLaVA-OneVision's cache entries, take one image per
+    request: a job of windows is refused before it starts (every window would fail)."""
+    from worker.engines import engine_class
+    from worker.errors import UserError
+    from worker.models.llava_onevision import LlavaOnevisionAdapter
+    from worker.models.qwen2_vl import Qwen2VLAdapter
+    from worker.stages.start import refuse_unfit_engine
+
+    spec = JobSpec(prompts=["q"], window="2")
+    for engine in ("vllm", "openai"):
+        with pytest.raises(UserError, match=f"the {engine} engine takes one image per request"):
+            refuse_unfit_engine(spec, engine_class(engine), Qwen2VLAdapter)
+    with pytest.raises(UserError, match="llava_onevision cannot take several cached images in one prompt"):
+        refuse_unfit_engine(spec, engine_class("transformers"), LlavaOnevisionAdapter)
+    refuse_unfit_engine(spec, engine_class("transformers"), Qwen2VLAdapter)
+    refuse_unfit_engine(JobSpec(prompts=["q"], window="1"), engine_class("vllm"), LlavaOnevisionAdapter)

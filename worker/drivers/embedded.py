@@ -43,7 +43,14 @@ from worker.stages.failures import ENCODE, GENERATE, INGEST, SourceWork
 from worker.stages.generate import GenerateService, JobUnits, UnitIds
 from worker.stages.ingest import IngestStep, ingest_source, local_copy
 from worker.stages.runner import Retry, Stage, Stopped, UnitsWork, after_failure, run_tries
-from worker.stages.start import SourceInput, SourceToIngest, refuse_misfit_window, reopen_job, start_job
+from worker.stages.start import (
+    SourceInput,
+    SourceToIngest,
+    refuse_misfit_window,
+    refuse_unfit_engine,
+    reopen_job,
+    start_job,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +97,10 @@ def local_inputs(paths: list[Path]) -> list[SourceInput]:
 def start_local_job(rt: Runtime, paths: list[Path], spec: JobSpec) -> tuple[str, list[SourceToIngest]]:
     files = expand_paths(paths)
     refuse_misfit_window(spec, files, rt.model_name, rt.settings)
+    if spec.window is not None:  # the adapter's class and the engine's: no weights load here
+        from worker.engines import engine_class
+
+        refuse_unfit_engine(spec, engine_class(rt.engine_name), rt.adapter)
     return start_job(rt, spec, local_inputs(files))
 
 

@@ -131,6 +131,8 @@ class StepEngine(ABC):
     # Feeds the cached tokens to vLLM (in process or a `vllm serve`): a family whose tokens vLLM
     # cannot take is refused (worker.engines.vllm_common.VLLMFedEngine.refuse_family).
     vllm_fed: ClassVar[bool] = False
+    # Takes several images in one request (a window of pages or frames, `--window`).
+    several_images: ClassVar[bool] = True
 
     @classmethod
     @abstractmethod

@@ -59,6 +59,8 @@ class ModelAdapter(ABC):
     # vLLM takes this family's cached tokens only with visbatch's plugin loaded in it
     # (worker/engines/vllm_models.py): certain in process, not in a server started elsewhere.
     vllm_needs_plugin: bool = False
+    # Why one prompt cannot hold several images from the cache (a window, `--window`); None: it can.
+    several_images_unsupported: str | None = None
 
     def __init__(self, ref: ModelRef) -> None:
         self.ref = ref

@@ -67,6 +67,10 @@ class LlavaOnevisionAdapter(ModelAdapter):
     # vLLM takes its cached tokens of any size through visbatch's plugin (engines/vllm_models.py).
     vllm_unsupported = None
     vllm_needs_plugin = True
+    several_images_unsupported = (
+        "its processor gives each image of a several-image prompt one view padded to a square, "
+        "which the cache entry (AnyRes tiles) does not hold"
+    )
 
     @property
     def anyres_rule(self) -> AnyResRule:
@@ -175,8 +179,7 @@ class LlavaOnevisionAdapter(ModelAdapter):
             # square (`batch_num_images` > 1: no AnyRes tiles): other pixels than a cache entry's
             # base view for any image that is not square, so another encode (not built yet).
             raise ValueError(
-                "several images in one LLaVA-OneVision prompt: each is then one view padded to a "
-                "square, which its cache entry (AnyRes tiles) does not hold"
+                f"several images in one LLaVA-OneVision prompt: {self.several_images_unsupported}"
             )
         return super().template_ids(prompt, images, history)
 

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ingest.spec import JobSpec
 from storage import repository as repo
 from visbatch.settings import Settings
 from worker.errors import UserError
+
+if TYPE_CHECKING:
+    from worker.engines.base import StepEngine
+    from worker.models.base import ModelAdapter
 from worker.stages.needs import StartNeeds
 
 
@@ -47,6 +52,25 @@ def start_job(
     return started.job_id, [
         SourceToIngest(source_id, uri, location[uri] or uri) for source_id, uri in started.sources
     ]
+
+
+def refuse_unfit_engine(spec: JobSpec, engine: type[StepEngine], adapter: ModelAdapter) -> None:
+    """A job whose windows hold several images is refused before it starts (UserError: exit 2)
+    where the engine or the model family takes one image per request: every window would fail."""
+    plan = spec.window_plan()
+    if plan is None or plan.size == 1:
+        return
+    if not engine.several_images:
+        raise UserError(
+            f"--window {spec.window}: the {engine.name} engine takes one image per request",
+            "run windows on the transformers engine (VISBATCH_ENGINE=transformers), or leave out --window",
+        )
+    if adapter.several_images_unsupported:
+        raise UserError(
+            f"--window {spec.window}: {adapter.family} cannot take several cached images in one prompt: "
+            f"{adapter.several_images_unsupported}",
+            "use another model family for windows (docs/windows.md), or leave out --window",
+        )
 
 
 def refuse_misfit_window(spec: JobSpec, paths: list[Path], model: str, settings: Settings) -> None:
