@@ -50,6 +50,11 @@ class JobInfo:
     def prompts(self) -> list[str]:
         return list(self.spec.get("prompts") or [])
 
+    @property
+    def then(self) -> list[list[str]]:
+        """Follow-up turns per prompt (`--then`)."""
+        return list(self.spec.get("then") or [])
+
 
 @dataclass(frozen=True)
 class SourceSummary:
@@ -84,6 +89,12 @@ class ResultView:
     finish_reason: str | None
     cache_hit: bool
     latency_ms: float
+    # What the answer covers (ingest.windows): a window's units, as (unit id, index, timestamp)
+    # in order (empty for a unit's answer), and the turn (`--then`).
+    scope: str = "unit"
+    unit_to: int | None = None
+    turn: int = 0
+    window: tuple[tuple[int, int, float | None], ...] = ()
 
     @property
     def is_schema_error(self) -> bool:
@@ -327,10 +338,28 @@ def unit_page(
             r.finish_reason,
             r.cache_hit,
             r.latency_ms,
+            r.scope,
+            r.unit_to,
+            r.turn,
         ).where(r.unit_id.in_(list(by_id)))
-        for row in session.execute(results.order_by(r.unit_id, r.prompt_index)):
-            values = dict(row._mapping)
-            by_id[values.pop("unit_id")].results.append(ResultView(**values))
+        rows = [
+            dict(row._mapping) for row in session.execute(results.order_by(r.unit_id, r.prompt_index, r.turn))
+        ]
+        # A window's units (its strip of pages or frames): one query for the whole page.
+        last = max((row["unit_to"] for row in rows if row["unit_to"] is not None), default=None)
+        members: dict[int, tuple[int, int, float | None]] = {}
+        if last is not None:
+            first = min(unit.index for unit in units)
+            span = select(UNITS.c.id, UNITS.c.unit_index, UNITS.c.timestamp).where(
+                UNITS.c.source_id == source_id, UNITS.c.unit_index.between(first, last)
+            )
+            members = {int(i): (int(u), int(i), t) for u, i, t in session.execute(span)}
+        for values in rows:
+            unit = by_id[values.pop("unit_id")]
+            if values["unit_to"] is not None:
+                span_of = range(unit.index, values["unit_to"] + 1)
+                values["window"] = tuple(members[i] for i in span_of if i in members)
+            unit.results.append(ResultView(**values))
     return units
 
 

@@ -352,3 +352,22 @@ def test_windows_where_a_request_takes_one_image_are_refused_up_front() -> None:
         refuse_unfit_engine(spec, engine_class("transformers"), LlavaOnevisionAdapter)
     refuse_unfit_engine(spec, engine_class("transformers"), Qwen2VLAdapter)
     refuse_unfit_engine(JobSpec(prompts=["q"], window="1"), engine_class("vllm"), LlavaOnevisionAdapter)
+
+
+@pytest.mark.slow
+def test_the_review_page_shows_a_windows_answer_over_a_strip_of_its_pages(settings_factory, tmp_path) -> None:
+    from worker.review.site import ReviewSite
+
+    rt = Runtime(settings_factory())
+    spec = SPEC.model_copy(update={"then": [["And the total?"], []]})
+    job_id = run_job(rt, [_inputs(tmp_path, pages=3)], spec)
+    [source_id] = {u.source_id for u in repo.units_in_state(rt.db, job_id, UnitStatus.DONE)}
+    units = {u.index: u.unit_id for u in repo.units_in_state(rt.db, job_id, UnitStatus.DONE)}
+    html = ReviewSite(rt.db, rt.store, job_id).source_page(source_id, "all", 1)
+    assert html is not None
+    first = html.split('data-from="0" data-to="1"', 1)[1].split("</div></div>", 1)[0]
+    assert "Pages 1-2" in first
+    assert f'src="thumb/{units[0]}.jpg"' in first and f'src="thumb/{units[1]}.jpg"' in first
+    assert f'src="thumb/{units[2]}.jpg"' not in first
+    assert 'data-from="2" data-to="2"' in html  # the last window: page 3 alone
+    assert "Q1, follow-up 1: And the total?" in html and "Q2: Is there a table?" in html

@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from storage.review import ResultView, UnitView
+from worker.results_export import question, span
 
 # No script anywhere; images only from the site itself (or the export folder on disk).
 CSP = (
@@ -47,6 +48,8 @@ pre{white-space:pre-wrap;word-break:break-word;background:#f4f4f4;padding:.4em;m
 table.json{border:1px solid #ddd;margin:.3em 0}table.json th{background:#f0f0f5;font-weight:600}
 ol.json{margin:.2em 0;padding-left:1.6em}.j-s{color:#1a1a1a}.j-n{color:#05a}.j-k{color:#909}
 .side{display:grid;grid-template-columns:1fr 1fr;gap:.6em}.side>div{min-width:0}
+.window-span{font-size:.9em;color:#444}.strip{display:flex;flex-wrap:wrap;gap:.3em;margin:.2em 0}
+.strip img{max-width:96px;max-height:96px;border:1px solid #ccc}
 """
 
 
@@ -175,14 +178,38 @@ def _result_meta(r: ResultView) -> str:
     return " · ".join(bits)
 
 
-def render_result(r: ResultView, prompts: list[str]) -> str:
+def render_result(
+    r: ResultView, prompts: list[str], kind: str | None = None, then: list[list[str]] | None = None
+) -> str:
     state = "schema" if r.is_schema_error else ("error" if r.error is not None else "ok")
-    prompt = prompts[r.prompt_index] if 0 <= r.prompt_index < len(prompts) else "(prompt not in the spec)"
+    prompt = question(prompts, then or [], r.prompt_index, r.turn) or "(prompt not in the spec)"
+    number = f"Q{r.prompt_index + 1}" + (f", follow-up {r.turn}" if r.turn else "")
     return (
-        f'<div class="answer" data-prompt="{r.prompt_index}" data-state="{state}">'
-        f'<div class="prompt">Q{r.prompt_index + 1}: {esc(prompt)}</div>'
+        f'<div class="answer" data-prompt="{r.prompt_index}" data-turn="{r.turn}" data-state="{state}">'
+        f"{_window_strip(r, kind)}"
+        f'<div class="prompt">{number}: {esc(prompt)}</div>'
         f"{render_answer_content(r.output, r.text, r.error)}"
         f'<div class="meta">{_result_meta(r)}</div></div>'
+    )
+
+
+def _window_strip(r: ResultView, kind: str | None) -> str:
+    """A window's answer (`--window`): what it covers, in words, over a strip of its pages or
+    frames (thumbnails, each with its page or time); nothing for a page's own answer."""
+    if not r.window:
+        return ""
+    (_, first, start), (_, last, end) = r.window[0], r.window[-1]
+    covers = span(kind, first, last, start, end)
+    thumbs = "".join(
+        f'<a href="img/{unit_id}.png" class="full" title="{esc(unit_label(kind, index, at))}">'
+        f'<img class="strip-thumb" src="thumb/{unit_id}.jpg" alt="{esc(unit_label(kind, index, at))}" '
+        f'loading="lazy"></a>'
+        for unit_id, index, at in r.window
+    )
+    return (
+        f'<div class="window" data-from="{first}" data-to="{last}">'
+        f'<div class="window-span">{esc(covers[:1].upper() + covers[1:])}</div>'
+        f'<div class="strip">{thumbs}</div></div>'
     )
 
 
@@ -196,7 +223,11 @@ def image_cell(unit_id: int, label: str, has_image: bool) -> str:
 
 
 def render_unit(
-    unit: UnitView, kind: str | None, prompts: list[str], duplicate_href: str | None = None
+    unit: UnitView,
+    kind: str | None,
+    prompts: list[str],
+    duplicate_href: str | None = None,
+    then: list[list[str]] | None = None,
 ) -> str:
     label = unit_label(kind, unit.index, unit.timestamp)
     head = [f"<b>{esc(label)}</b>", f'<span class="badge {esc(unit.status)}">{esc(unit.status)}</span>']
@@ -217,7 +248,7 @@ def render_unit(
         body.append(f'<div class="warn skip"><b>skipped:</b> {esc(unit.skip_reason)}{link}</div>')
     if unit.error is not None:
         body.append(f'<div class="err unit-error"><b>error:</b> {esc(unit.error)}</div>')
-    body.extend(render_result(r, prompts) for r in unit.results)
+    body.extend(render_result(r, prompts, kind, then) for r in unit.results)
     if not unit.results and unit.status not in ("skipped", "failed"):
         body.append('<div class="muted">no answer yet</div>')
     image = image_cell(unit.id, label, unit.image_key is not None)

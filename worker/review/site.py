@@ -97,6 +97,7 @@ class ReviewSite:
         # Resolves a prefix (JobNotFound if none); a job's prompts never change.
         self.job_id, spec = job_spec(db, job_id)
         self.prompts: list[str] = list(spec.get("prompts") or [])
+        self.then: list[list[str]] = list(spec.get("then") or [])
         self.thumbnails = thumbnails
         self.per_page = per_page
         self.sources_per_page = sources_per_page
@@ -183,7 +184,7 @@ class ReviewSite:
                 position = unit_position(self.db, source_id, unit.duplicate_of)
                 target = source_href(source_id, "all", position // size + 1)
                 duplicate_href = f"{target}#u{unit.duplicate_of}"
-            cards.append(render_unit(unit, source.kind, self.prompts, duplicate_href))
+            cards.append(render_unit(unit, source.kind, self.prompts, duplicate_href, self.then))
         tabs = []
         for name in VIEWS:
             label = f"{VIEW_TITLES[name]} ({fmt_int(source.view_counts.get(name, 0))})"
