@@ -132,6 +132,9 @@ class JobSpec(BaseModel):
     # Follow-up turns per prompt (`--then`): then[i] continues the conversation of prompts[i], each
     # turn seeing the same images, the earlier turns and their answers. Empty: no follow-ups.
     then: list[list[str]] = Field(default_factory=list, description="Follow-up turns, one list per prompt.")
+    # Once a source's answers are all in, one text-only request over them (`--summarize`): one
+    # row per source (scope `source`).
+    summarize: str | None = Field(None, description="A question asked of each source's answers.")
 
     @field_validator("prompts")
     @classmethod
@@ -169,6 +172,15 @@ class JobSpec(BaseModel):
                 if len(turn) > 32_000:
                     raise ValueError("a follow-up turn must be under 32,000 characters")
         return then
+
+    @field_validator("summarize")
+    @classmethod
+    def _summary_prompt(cls, summarize: str | None) -> str | None:
+        if summarize is not None and not summarize.strip():
+            raise ValueError("the summary's prompt must not be empty")
+        if summarize is not None and len(summarize) > 32_000:
+            raise ValueError("the summary's prompt must be under 32,000 characters")
+        return summarize
 
     def turns(self, prompt_index: int) -> list[str]:
         """The questions of one prompt's conversation: the prompt, then its follow-ups."""

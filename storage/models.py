@@ -307,9 +307,10 @@ RESULTS = Table(
     Column("latency_ms", Float, nullable=False, default=0.0),
     _created_at(),
     _updated_at(),
-    # What the answer covers (migration 0010, ingest.windows): `unit` (one page, frame or image) or
+    # What the answer covers (migration 0010, ingest.windows): `unit` (one page, frame or image),
     # `window` (the units unit_id .. unit_to of one source, in one prompt: keyed by its first
-    # unit, and windows of a source start at different units); turn 0 is the prompt itself.
+    # unit, and windows of a source start at different units) or `source` (its summary, keyed
+    # by its first unit, prompt_index one past the job's prompts); turn 0 is the prompt itself.
     Column("scope", String(STATUS_LENGTH), nullable=False, default="unit", server_default="unit"),
     Column("unit_to", Integer, nullable=True),
     Column("turn", Integer, nullable=False, default=0, server_default="0"),

@@ -46,6 +46,7 @@ from storage.sources import (
     stored_unit_indexes,
 )
 from storage.sql import JobNotFound, NotFound, SourceChanged, SourceNotFound
+from storage.summaries import answered_sources
 from storage.units import (
     add_units,
     fail_units,
@@ -80,6 +81,7 @@ __all__ = [
     "add_units",
     "advance_cursor",
     "answered_questions",
+    "answered_sources",
     "claim_keys",
     "claim_object",
     "close_finished",

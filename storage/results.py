@@ -14,6 +14,7 @@ from storage.jobs import finished_among_in
 from storage.models import JOBS, RESULTS, SOURCES, UNITS, utcnow
 from storage.rows import ResultRow
 from storage.sql import RESULT_COLUMNS, chunks, dialect_insert, now_param, resolve_in_session
+from storage.summaries import settle_summarized_in
 from storage.units import finish_units_in
 from storage.windows import WindowRule, settle_windows_in
 
@@ -115,11 +116,13 @@ def store_results(
     rows: Sequence[tuple[str, ResultRow]],
     finished_units: Sequence[tuple[str, int]] = (),
     windows: Mapping[tuple[str, int], tuple[WindowRule | None, int]] | None = None,
+    summarized: Sequence[tuple[str, int]] = (),
 ) -> StoredResults:
     """Upsert (job_id, result) pairs and mark `finished_units` ((job_id, unit_id) pairs) done, in
     one transaction, so a crash never leaves a unit done without its results. `windows`: the
     (job_id, source_id) of windows answered here, with the job's window plan and question count:
     their units whose windows all have answers are marked done too (storage.windows).
+    `summarized`: the (job_id, source_id) of source summaries stored here: their units are done.
 
     The jobs' states are read first, in the same transaction: once `visbatch cancel` (or anything
     that finishes a job) has committed, no result of that job is stored, whatever the engine had
@@ -139,6 +142,10 @@ def store_results(
         ]
         if settle:
             remaining.update(settle_windows_in(session, settle))
+        # A source's summary stored: its units are done (storage.summaries).
+        done = [source_id for job_id, source_id in summarized if job_id not in refused]
+        if done:
+            remaining.update(settle_summarized_in(session, done))
         _stamp_first_result(session, jobs)
     return StoredResults(remaining, refused)
 

@@ -105,31 +105,41 @@ def _task(members: Sequence[Any]) -> WindowTask:
     return WindowTask(unit(members[0]), members[-1].unit_index, shown, failed)
 
 
+def _unanswered(session: Connection, plan: WindowRule, rows: Sequence[Any], questions: int) -> list[bool]:
+    """Per unit position: whether it is in a window still without all its answers (one per
+    prompt and turn: rows are unique on those)."""
+    answered: set[int] = set()
+    for chunk in chunks([row.id for row in rows]):
+        stmt = (
+            select(RESULTS.c.unit_id)
+            .where(RESULTS.c.unit_id.in_(chunk), RESULTS.c.scope == "window")
+            .group_by(RESULTS.c.unit_id)
+            .having(func.count() >= questions)
+        )
+        answered.update(int(u) for (u,) in session.execute(stmt))
+    unanswered = [False] * len(rows)
+    for first, last in _windows(plan, True, rows):
+        if rows[first].id not in answered:
+            for i in range(first, last + 1):
+                unanswered[i] = True
+    return unanswered
+
+
+def answered_windows(session: Connection, plan: WindowRule, rows: Sequence[Any], questions: int) -> bool:
+    """Whether every window of a source split to its end (its units: `rows`) has its answers."""
+    return not any(_unanswered(session, plan, rows, questions))
+
+
 def settle_windows_in(session: Connection, sources: Sequence[tuple[int, WindowRule, int]]) -> dict[str, int]:
     """Mark done every encoded unit of these (source, plan, questions) whose windows all have
-    their answers (one per prompt and turn: rows are unique on those), in the caller's
-    transaction; returns {job: units left} for the jobs moved (the countdown: storage.sql). A
-    source still being split waits: its last windows are not known."""
+    their answers, in the caller's transaction; returns {job: units left} for the jobs moved (the
+    countdown: storage.sql). A source still being split waits: its last windows are not known."""
     finished: list[int] = []
     for source_id, plan, questions in sources:
         complete, rows = _source_units(session, source_id)
         if not complete or not rows:
             continue
-        answered: set[int] = set()
-        ids = [row.id for row in rows]
-        for chunk in chunks(ids):
-            stmt = (
-                select(RESULTS.c.unit_id)
-                .where(RESULTS.c.unit_id.in_(chunk), RESULTS.c.scope == "window")
-                .group_by(RESULTS.c.unit_id)
-                .having(func.count() >= questions)
-            )
-            answered.update(int(u) for (u,) in session.execute(stmt))
-        unanswered = [False] * len(rows)  # per position: in a window still to answer
-        for first, last in _windows(plan, True, rows):
-            if rows[first].id not in answered:
-                for i in range(first, last + 1):
-                    unanswered[i] = True
+        unanswered = _unanswered(session, plan, rows, questions)
         encoded = UnitStatus.ENCODED.value
         finished += [row.id for i, row in enumerate(rows) if row.status == encoded and not unanswered[i]]
     return finish_units_in(session, finished) if finished else {}

@@ -158,16 +158,18 @@ def test_windows_on_a_fleet(fleet, tmp_path) -> None:
     fleet.start_worker("encode,generate")
     fleet.start_worker("encode,generate")
     job = fleet.submit(
-        str(inputs), "-p", "What is here?", "-p", "Any table?", "--window", "3:2", "--max-new-tokens", "3"
-    )
+        str(inputs), "-p", "What is here?", "-p", "Any table?", "--window", "3:2", "--max-new-tokens", "3",
+        "--summarize", "What is this document about?",
+    )  # fmt: skip
     fleet.wait([job])
     assert fleet.status(job) == "succeeded", fleet.logs()
-    expected = [("memo.pdf", 0, 0, p, "window", 0) for p in (0, 1)]
+    expected = [("memo.pdf", 0, 0, p, "window", 0) for p in (0, 1)] + [("memo.pdf", 0, 0, 2, "source", 0)]
     expected += [("report.pdf", a, b, p, "window", 0) for a, b in ((0, 2), (2, 4), (4, 6)) for p in (0, 1)]
-    assert _spans(fleet.db, job) == expected
+    expected += [("report.pdf", 0, 6, 2, "source", 0)]  # its summary, once its windows are in
+    assert _spans(fleet.db, job) == sorted(expected)
     summary = repo.job_summary(fleet.db, job)
     assert (summary["units_total"], summary["units_pending"], summary["units_failed"]) == (8, 0, 0), summary
-    assert (summary["results"], summary["cache_misses"]) == (8, 8), summary
+    assert (summary["results"], summary["cache_misses"]) == (10, 8), summary
 
 
 # --- failures, resume, reruns, refusals ----------------------------------------------------

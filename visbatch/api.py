@@ -236,11 +236,11 @@ class Job:
     def results(self) -> Iterator[dict[str, Any]]:
         """Every answer (errors included: see ``error``), ordered by source, page, prompt; streamed."""
         from storage import repository as repo
-        from worker.results_export import export_records
+        from worker.results_export import asked, export_records
 
         state = repo.job_state(self._rt.db, self.id)
         spec = state[1] if state else {}
-        prompts, then = list(spec.get("prompts") or []), list(spec.get("then") or [])
+        prompts, then = asked(spec), list(spec.get("then") or [])
         yield from export_records(repo.iter_results(self._rt.db, self.id), prompts, then)
 
     @_plain_errors

@@ -210,6 +210,15 @@ ASKING_OPTIONS: tuple[Opt, ...] = (
         "frames, the earlier turns and their answers; one answer per turn.",
         show_default=False,
     ),
+    Opt(
+        "summarize",
+        str | None,
+        None,
+        "TEXT",
+        "Once a source's answers are all in, ask TEXT of them (each with its page or time): one "
+        "summary row per source.",
+        show_default=False,
+    ),
 )
 
 GROUPS: dict[str, tuple[Opt, ...]] = {
@@ -326,6 +335,7 @@ class JobOptions:
                 cache=cache,
                 window=self.values.get("window"),
                 then=then,
+                summarize=self.values.get("summarize"),
             )
         )
 

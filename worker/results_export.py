@@ -105,6 +105,13 @@ def span(kind: str | None, first: int, last: int, time_from: float | None, time_
 _AS_STORED = EXPORT_FIELDS[EXPORT_FIELDS.index("output") :]
 
 
+def asked(spec: dict[str, Any]) -> list[str]:
+    """A stored spec's questions by prompt index: its prompts, then its summary's (`--summarize`:
+    a source's summary row has the index one past the prompts)."""
+    prompts = list(spec.get("prompts") or [])
+    return prompts + [spec["summarize"]] if spec.get("summarize") else prompts
+
+
 def question(prompts: list[str], then: list[list[str]], prompt_index: int, turn: int) -> str | None:
     """The text a result answers: its prompt (turn 0) or that prompt's follow-up turn (`--then`)."""
     if not 0 <= prompt_index < len(prompts):
@@ -284,9 +291,18 @@ def document_file_name(source: str, suffix: str) -> str:
     return f"{safe}-{hashlib.sha256(source.encode()).hexdigest()[:8]}{suffix}"
 
 
+def _summaries_first(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A source's summary rows (`--summarize`), and its other answers in order."""
+    return [r for r in records if r["scope"] == "source"], [r for r in records if r["scope"] != "source"]
+
+
 def _markdown(source: str, records: list[dict[str, Any]], prompts: list[str]) -> str:
     lines = [f"# {source.rsplit('/', 1)[-1]}", "", f"Source: `{source}`", ""]
     several = len(prompts) > 1
+    summaries, records = _summaries_first(records)
+    for record in summaries:
+        lines += ["## Summary", "", f"**{record['prompt']}**", ""]
+        lines += [f"*error: {record['error']}*" if record["error"] else (record["text"] or "").strip(), ""]
     for unit_index, answers in groupby(records, key=lambda r: r["unit_index"]):
         answers = list(answers)
         first = answers[0]
@@ -303,6 +319,7 @@ def _markdown(source: str, records: list[dict[str, Any]], prompts: list[str]) ->
 
 
 def _document_json(source: str, records: list[dict[str, Any]], prompts: list[str]) -> dict[str, Any]:
+    summaries, records = _summaries_first(records)
     pages = []
     for unit_index, answers in groupby(records, key=lambda r: r["unit_index"]):
         answers = list(answers)
@@ -325,8 +342,12 @@ def _document_json(source: str, records: list[dict[str, Any]], prompts: list[str
                 ],
             }
         )
-    kind = records[0]["kind"] if records else None
-    return {"source": source, "kind": kind, "prompts": prompts, "pages": pages}
+    kind = ([*records, *summaries] or [{"kind": None}])[0]["kind"]
+    document: dict[str, Any] = {"source": source, "kind": kind, "prompts": prompts}
+    if summaries:  # the source's summary (`--summarize`) before its pages
+        fields = ("prompt", "output", "text", "error")
+        document["summary"] = [{key: r[key] for key in fields} for r in summaries]
+    return {**document, "pages": pages}
 
 
 # Which job's answers a --by-document folder holds: a second job's files beside the first's

@@ -1,7 +1,8 @@
 """Answers over several units (issue 34, `--window`): what each result row covers.
 
 results: scope   (`unit`: one page, frame or image; `window`: the units unit_id .. unit_to of
-                  its source, asked in one prompt),
+                  its source, asked in one prompt; `source`: a source's summary, `--summarize`,
+                  keyed by its first unit, its prompt index one past the job's prompts),
          unit_to (the window's last unit index, inclusive; NULL for a unit's answer),
          turn    (0: the prompt itself; a follow-up turn counts from 1).
 A window's answers are keyed by its first unit (unit_id): windows of one source start at
@@ -60,11 +61,14 @@ _WINDOW_END = """JOIN units AS e
 """
 
 
-# The text a row answers: its prompt (turn 0) or the prompt's follow-up turn (the spec's then).
+# The text a row answers: its prompt (turn 0), the prompt's follow-up turn (the spec's then), or
+# for a source's summary (scope `source`) the spec's summarize.
 _PROMPT_BY_TURN = {
-    "postgresql": "CASE WHEN r.turn = 0 THEN j.spec -> 'prompts' ->> r.prompt_index"
+    "postgresql": "CASE WHEN r.scope = 'source' THEN j.spec ->> 'summarize'"
+    " WHEN r.turn = 0 THEN j.spec -> 'prompts' ->> r.prompt_index"
     " ELSE j.spec -> 'then' -> r.prompt_index ->> (r.turn - 1) END",
-    "sqlite": "CASE WHEN r.turn = 0 THEN json_extract(j.spec, '$.prompts[' || r.prompt_index || ']')"
+    "sqlite": "CASE WHEN r.scope = 'source' THEN json_extract(j.spec, '$.summarize')"
+    " WHEN r.turn = 0 THEN json_extract(j.spec, '$.prompts[' || r.prompt_index || ']')"
     " ELSE json_extract(j.spec, '$.then[' || r.prompt_index || '][' || (r.turn - 1) || ']') END",
 }
 

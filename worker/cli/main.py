@@ -462,6 +462,7 @@ def results(
     from storage.jobs import job_summary
     from storage.results import iter_results
     from worker.results_export import (
+        asked,
         export_records,
         output_format,
         write_by_document,
@@ -475,7 +476,7 @@ def results(
         raise UserError("--format parquet writes a file", "add -o FILE (e.g. -o answers.parquet)")
     db = stored_database(Settings())
     summary = job_summary(db, job, max_errors=0)
-    prompts = list(summary["spec"].get("prompts") or [])
+    prompts = asked(summary["spec"])
     records = export_records(iter_results(db, summary["id"]), prompts, summary["spec"].get("then") or [])
     if by_document is not None:
         as_json = summary["spec"].get("json_schema") is not None

@@ -167,8 +167,9 @@ def _print_answers(rt: Any, job_id: str, summary: dict[str, Any]) -> None:
     if not summary.get("results"):
         console.print(f"no answers; every error: visbatch status {job_id}")
         return
-    prompts = list(summary["spec"].get("prompts") or [])
-    print_preview(console, job_id, prompts, preview_per_source(rt.db, job_id))
+    from worker.results_export import asked
+
+    print_preview(console, job_id, asked(summary["spec"]), preview_per_source(rt.db, job_id))
     console.print(_results_hint(job_id))
 
 

@@ -252,6 +252,7 @@ class EmbeddedRun:
                 to_encode.put(None)  # the encoder ends after the last batch (it also ends on a stop)
             encoder.join()
             self._wait_all(waits)
+            generate.wait_idle(self.stop)  # the summaries the last answers started
             generate.close()
             rt.close_splitters()
             self.stop.set()  # releases the watcher

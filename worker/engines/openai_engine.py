@@ -328,9 +328,9 @@ class OpenAIEngine(VLLMFedEngine):
         # The adapter's own messages (its template_ids): the image first, then the first question;
         # a follow-up turn's earlier answers as the assistant's turns, its question last.
         questions = [question for question, _ in request.history] + [request.prompt]
-        messages: list[dict[str, Any]] = [
-            {"role": "user", "content": [image_part(self.adapter, request), _text(questions[0])]}
-        ]
+        # A text-only request (a source's summary) has no image part.
+        images = [image_part(self.adapter, request)] if request.images else []
+        messages: list[dict[str, Any]] = [{"role": "user", "content": [*images, _text(questions[0])]}]
         for (_, answer), question in zip(request.history, questions[1:], strict=True):
             messages += [
                 {"role": "assistant", "content": [_text(answer)]},

@@ -146,9 +146,14 @@ class TransformersEngine(StepEngine):
 
     def _generate(self, requests: list[EngineRequest], ids: list[str]) -> list[Generation]:
         results: dict[int, Generation] = {}
-        order = sorted(range(len(requests)), key=lambda i: requests[i].sampling_key)
-        # One generate call per sampling setting: transformers applies one setting per call.
-        for _, group in groupby(order, key=lambda i: requests[i].sampling_key):
+
+        def key(i: int) -> tuple[tuple[float, float, int], bool]:
+            return requests[i].sampling_key, bool(requests[i].images)
+
+        order = sorted(range(len(requests)), key=key)
+        # One generate call per sampling setting: transformers applies one setting per call; and
+        # text-only requests (a source's summary) apart from those with images.
+        for _, group in groupby(order, key=key):
             idx = list(group)
             outputs = self._generate_group([requests[i] for i in idx], [ids[i] for i in idx])
             for i, gen in zip(idx, outputs, strict=True):
@@ -164,7 +169,10 @@ class TransformersEngine(StepEngine):
         prompts = [r.prompt_ids for r in requests]
         prune_keeps, merge_keeps = [r.prune_keep for r in requests], [r.merge_keep for r in requests]
         pruned = merged = [0] * len(requests)
-        if any(keep < 1.0 for keep in prune_keeps + merge_keeps):  # positions kept: worker.tokens.reduction
+        if not any(r.images for r in requests):  # text only: no embeddings to place
+            input_ids, attention = adapter.left_padded(prompts)
+            inputs: dict = {"input_ids": input_ids, "attention_mask": attention}
+        elif any(keep < 1.0 for keep in prune_keeps + merge_keeps):  # positions kept: worker.tokens.reduction
             visuals = [r.single_image("pruning and merging") for r in requests]
             inputs, pruned, merged = adapter.reduced_generation_inputs(
                 prompts, visuals, prune_keeps, merge_keeps

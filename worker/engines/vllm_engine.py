@@ -192,8 +192,11 @@ class VLLMEngine(VLLMFedEngine):
         self._reductions.check(request)
         try:
             self._check(request)
-            image = request.single_image("the vllm engine")
-            prompt = self.adapter.vllm_prompt(request.prompt_ids, image, request.cache_key)
+            if request.images:
+                image = request.single_image("the vllm engine")
+                prompt = self.adapter.vllm_prompt(request.prompt_ids, image, request.cache_key)
+            else:  # text only (a source's summary)
+                prompt = {"prompt_token_ids": list(request.prompt_ids)}
         except ValueError as exc:  # RequestRejected included
             log.warning("request rejected before vLLM: %s", exc)
             self._ready.append((request_id, Generation.failed(f"rejected before the engine: {exc}")))

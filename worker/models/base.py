@@ -176,13 +176,16 @@ class ModelAdapter(ABC):
 
         `visual` is one image's tokens, or several images' in order (a window of pages or frames:
         one user turn with an image entry each, as the model's own processor lays out several
-        images). The layout can shape the prompt (Idefics3 tags every tile), so it takes the
-        visual tokens themselves; None gives the prompt of one image without its placeholders (a
-        count of the text tokens, e.g. for the planner).
+        images), or none (an empty sequence: a text-only request). The layout can shape the
+        prompt (Idefics3 tags every tile), so it takes the visual tokens themselves; None gives
+        the prompt of one image without its placeholders (a count of the text tokens, e.g. for
+        the planner).
         """
         images: list[VisualTokens | None]
         if visual is None:
             images = [None]
+        elif isinstance(visual, Sequence) and not isinstance(visual, VisualTokens) and len(visual) == 0:
+            images = []  # a text-only request (a source's summary, `--summarize`)
         elif isinstance(visual, VisualTokens):
             images = [visual]
         elif isinstance(visual, Sequence) and visual and all(isinstance(v, VisualTokens) for v in visual):

@@ -31,6 +31,7 @@ from storage.review import (
     unit_page,
     unit_position,
 )
+from worker.results_export import asked
 from worker.review.html import (
     esc,
     fmt_int,
@@ -96,7 +97,7 @@ class ReviewSite:
         self.store = store
         # Resolves a prefix (JobNotFound if none); a job's prompts never change.
         self.job_id, spec = job_spec(db, job_id)
-        self.prompts: list[str] = list(spec.get("prompts") or [])
+        self.prompts: list[str] = asked(spec)  # a source's summary's too (`--summarize`)
         self.then: list[list[str]] = list(spec.get("then") or [])
         self.thumbnails = thumbnails
         self.per_page = per_page

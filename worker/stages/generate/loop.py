@@ -31,10 +31,12 @@ from ingest.spec import JobSpec
 from storage import repository as repo
 from storage.models import UnitStatus
 from storage.rows import ResultRow, UnitTask, WindowTask
+from storage.summaries import SourceTask
 from worker import metrics
 from worker.retry import describe
 from worker.stages.generate.requests import Prepared, Question
 from worker.stages.generate.submissions import JobUnits, Submission, Ticket, UnitIds, UnitsOutcome
+from worker.stages.generate.summaries import SummaryBuilder, summary_index
 from worker.stages.needs import GenerateNeeds
 from worker.stages.runner import RetriesSpent
 
@@ -45,9 +47,15 @@ FLUSH_SECONDS = 0.5
 POLL_SECONDS = 1.0
 
 
+def _key(unit: UnitTask | WindowTask | SourceTask) -> int:
+    """The loop's key of a work: its unit's id; a source's summary, minus its first unit's (that
+    unit, or the window it starts, may be in flight beside it)."""
+    return -unit.unit_id if isinstance(unit, SourceTask) else unit.unit_id
+
+
 @dataclass
 class _Work:
-    unit: UnitTask | WindowTask
+    unit: UnitTask | WindowTask | SourceTask
     spec: JobSpec
     waiting: int
     rows: list[ResultRow] = field(default_factory=list)
@@ -71,6 +79,7 @@ class GenerateLoop:
         self._stopped: set[str] = set()  # jobs found finished: their units are refused from now on
         self.engine = rt.engine
         self.builder = rt.requests
+        self.summaries = SummaryBuilder(self.builder.adapter, context_tokens(self.builder.adapter))
         self.window = window or rt.generate_window
         self._requests: dict[str, tuple[Prepared, float]] = {}  # request id -> (request, added at)
         # Request ids are never reused (unit:prompt:sequence): an abort or a late output of an
@@ -111,7 +120,7 @@ class GenerateLoop:
         read = self._as_windows(self._read_units(batch))
         fresh = sorted({
             u.unit_id for job, _ in read for u in job.units
-            if u.job_id not in self._stopped and u.unit_id not in self._work
+            if u.job_id not in self._stopped and _key(u) not in self._work
         })  # fmt: skip
         try:
             answered = (
@@ -210,10 +219,10 @@ class GenerateLoop:
             for _ in refused:
                 ticket.settle(stored=False)
         units = [u for u in job.units if u.job_id not in self._stopped]
-        fresh = [u for u in units if u.unit_id not in self._work]
+        fresh = [u for u in units if _key(u) not in self._work]
         for unit in units:
-            if unit.unit_id in self._work and ticket is not None:  # redelivered while in flight
-                self._work[unit.unit_id].tickets.append(ticket)
+            if _key(unit) in self._work and ticket is not None:  # redelivered while in flight
+                self._work[_key(unit)].tickets.append(ticket)
         for unit in fresh:
             questions = _questions_left(spec, answered.get(unit.unit_id, {}))
             waiting = sum(len(spec.turns(q.prompt_index)) - q.turn for q in questions)
@@ -221,7 +230,7 @@ class GenerateLoop:
             if not questions:  # every answer is stored already: only the unit's state is left
                 self._answered.append(work)
                 continue
-            self._work[unit.unit_id] = work
+            self._work[_key(unit)] = work
             for prepared in self.builder.prepare(unit, spec, questions):
                 self._ask(work, prepared)
 
@@ -238,6 +247,9 @@ class GenerateLoop:
     def _turn_answered(self, work: _Work, prepared: Prepared, row: ResultRow) -> None:
         """A turn's answer: the conversation's next turn is asked with it (`--then`); after a
         turn without an answer, the later turns are answered with why."""
+        if prepared.chain is not None:
+            self._summary_part(work, prepared, row)
+            return
         self._answer(work, row)
         if prepared.last_turn:
             return
@@ -275,7 +287,7 @@ class GenerateLoop:
                     continue  # aborted meanwhile
                 prepared, added = entry
                 metrics.REQUEST_SECONDS.observe(now - added)
-                work = self._work.get(prepared.unit.unit_id)
+                work = self._work.get(_key(prepared.unit))
                 if work is not None:
                     row = self.builder.row(prepared, generation, (now - added) * 1000.0)
                     self._turn_answered(work, prepared, row)
@@ -293,18 +305,65 @@ class GenerateLoop:
             self.step()
         self.flush()
 
+    def _summary_part(self, work: _Work, prepared: Prepared, row: ResultRow) -> None:
+        """A source summary's request answered: the last is the summary's row; a part's answer
+        waits for the stage's others, then the next stage is asked (summaries.SummaryBuilder)."""
+        chain = prepared.chain
+        if chain.final or row.error is not None or row.text is None:
+            if not chain.final:  # a part failed: the summary is that failure
+                row = dataclasses.replace(row, error=f"a part of the summary failed: {row.error}")
+            self._answer(work, dataclasses.replace(row, prompt_index=summary_index(chain.spec)))
+            return
+        chain.answers[prepared.part] = row.text
+        if len(chain.answers) == chain.parts:
+            for nxt in self.summaries.next(chain):
+                self._ask(work, nxt)
+
+    def _summarize(self, answered: list[_Work]) -> None:
+        """The sources of a job with a summary whose answers are now all in: their summaries are
+        asked (a summary work per source, waiting on its last request)."""
+        sources = {
+            (w.unit.job_id, w.unit.source_id): w.spec
+            for w in answered
+            if w.spec.summarize is not None and not isinstance(w.unit, SourceTask)
+        }
+        for (job_id, source_id), spec in sources.items():
+            if job_id in self._stopped:
+                continue
+            rule, questions = spec.window_plan(), len(spec.questions())
+            try:
+                tasks = self.rt.retry.call(
+                    lambda s=source_id, r=rule, q=questions, spec=spec: repo.answered_sources(
+                        self.rt.db, [(s, r, q)], summary_index(spec)
+                    ),
+                    what="reading a source's answers",
+                    stop=self.stop,
+                )
+            except Exception as exc:  # the database away: a resume (or the stall watch) asks it
+                log.warning(
+                    "could not read the answers of source %d to summarize: %s", source_id, describe(exc)
+                )
+                continue
+            for task in tasks:
+                if _key(task) in self._work:  # asked already, in flight
+                    continue
+                work = _Work(task, spec, waiting=1)
+                self._work[_key(task)] = work
+                for prepared in self.summaries.start(task, spec):
+                    self._ask(work, prepared)
+
     def _answer(self, work: _Work, row: ResultRow) -> None:
         work.rows.append(row)
         work.waiting -= 1
         if work.waiting == 0:
-            self._work.pop(work.unit.unit_id, None)
+            self._work.pop(_key(work.unit), None)
             self._answered.append(work)
 
     def _fail_in_flight(self, message: str) -> None:
         self.engine.request_abort(list(self._requests))
         requests, self._requests = self._requests, {}
         for prepared, _ in requests.values():
-            work = self._work.get(prepared.unit.unit_id)
+            work = self._work.get(_key(prepared.unit))
             if work is not None:
                 row = dataclasses.replace(self.builder.row(prepared, None, 0.0), error=message)
                 self._turn_answered(work, prepared, row)
@@ -323,16 +382,24 @@ class GenerateLoop:
         self._flushed_at = time.monotonic()
         if answered:
             rows = [(w.unit.job_id, row) for w in answered for row in w.rows]
-            units = [(w.unit.job_id, w.unit.unit_id) for w in answered if isinstance(w.unit, UnitTask)]
+            # A job with a summary: its units are done with their source's summary (summarized).
+            units = [
+                (w.unit.job_id, w.unit.unit_id)
+                for w in answered
+                if isinstance(w.unit, UnitTask) and w.spec.summarize is None
+            ]
             # A window's units are done once all their windows are answered: settled by source.
             windows = {
                 (w.unit.job_id, w.unit.source_id): (w.spec.window_plan(), len(w.spec.questions()))
                 for w in answered
-                if isinstance(w.unit, WindowTask)
+                if isinstance(w.unit, WindowTask) and w.spec.summarize is None
             }
+            summarized = [
+                (w.unit.job_id, w.unit.source_id) for w in answered if isinstance(w.unit, SourceTask)
+            ]
             try:
                 stored = self.rt.retry.call(
-                    lambda: repo.store_results(self.rt.db, rows, units, windows),
+                    lambda: repo.store_results(self.rt.db, rows, units, windows, summarized),
                     what="storing results",
                     stop=self.stop,
                 )
@@ -351,6 +418,8 @@ class GenerateLoop:
                         ticket.fail(self._spent(exc))
             else:
                 kept = [w for w in answered if w.unit.job_id not in stored.refused]
+                # Before the tickets settle: the run that waits on them finds the summary asked.
+                self._summarize(kept)
                 self._forget_tokens(answered)
                 self.results_stored += sum(len(w.rows) for w in kept)
                 _count([(w.unit.job_id, row) for w in kept for row in w.rows], len(kept))
@@ -418,7 +487,7 @@ class GenerateLoop:
         dropped += [w for w in self._answered if w.unit.job_id in job_ids]
         self._answered = [w for w in self._answered if w.unit.job_id not in job_ids]
         for work in dropped:
-            self._work.pop(work.unit.unit_id, None)
+            self._work.pop(_key(work.unit), None)
             for ticket in work.tickets:
                 if error is not None:
                     ticket.fail(error)
@@ -430,6 +499,14 @@ class GenerateLoop:
 
     def drop_all(self, error: BaseException | None = None) -> None:
         self.drop_jobs(self.jobs(), error)
+
+
+def context_tokens(adapter: object) -> int | None:
+    """The language model's context in tokens, from its config (None: it does not say)."""
+    config = getattr(adapter, "config", None)
+    text = getattr(config, "text_config", None) or config
+    value = getattr(text, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) else None
 
 
 def _questions_left(spec: JobSpec, answered: dict[tuple[int, int], str]) -> list[Question]:

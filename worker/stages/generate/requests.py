@@ -15,6 +15,7 @@ from typing import Any
 from ingest.budget import PixelBounds
 from ingest.spec import JobSpec
 from storage.rows import ResultRow, UnitTask, WindowTask
+from storage.summaries import SourceTask
 from worker.engines.base import EngineRequest, Generation
 from worker.engines.structured import validate_output
 from worker.models.base import ModelAdapter
@@ -38,21 +39,27 @@ class Question:
 class Prepared:
     """One request ready for the engine, or the reason it cannot be asked (`error`)."""
 
-    unit: UnitTask | WindowTask
+    unit: UnitTask | WindowTask | SourceTask
     spec: JobSpec
     prompt_index: int
     request: EngineRequest | None
     error: str | None = None
     turn: int = 0
     history: History = ()
+    # A source's summary (worker.stages.generate.summaries): its chain, and which part of the
+    # chain's current stage this request is (the final request has the chain's `final` set).
+    chain: Any = None
+    part: int = 0
 
     @property
     def question(self) -> str:
+        if isinstance(self.unit, SourceTask):
+            return self.spec.summarize or ""
         return self.spec.turns(self.prompt_index)[self.turn]
 
     @property
     def last_turn(self) -> bool:
-        return self.turn == len(self.spec.turns(self.prompt_index)) - 1
+        return self.chain is not None or self.turn == len(self.spec.turns(self.prompt_index)) - 1
 
 
 class RequestBuilder:
@@ -164,7 +171,7 @@ class RequestBuilder:
             engine=self.engine_name,
             cache_hit=bool(unit.cache_hit),
             latency_ms=latency_ms,
-            **({"scope": "window", "unit_to": unit.last} if isinstance(unit, WindowTask) else {}),
+            **_covers(unit),
         )
         error = prepared.error
         if outcome is not None and outcome.error is not None:
@@ -195,6 +202,15 @@ class RequestBuilder:
             merged_tokens=outcome.merged_tokens,
             **common,
         )
+
+
+def _covers(unit: UnitTask | WindowTask | SourceTask) -> dict[str, Any]:
+    """A row's scope and last unit: a window's units, a source's summary; a unit's (the default)."""
+    if isinstance(unit, WindowTask):
+        return {"scope": "window", "unit_to": unit.last}
+    if isinstance(unit, SourceTask):
+        return {"scope": "source", "unit_to": unit.last}
+    return {}
 
 
 class _NotAsked(Exception):

@@ -135,6 +135,14 @@ class GenerateService:
         self._aborted.set()
         self.loop.engine.request_abort(self.loop.request_ids())
 
+    def wait_idle(self, stop: threading.Event) -> None:
+        """Until the loop has nothing left, not even work it started on its own (a source's
+        summary), or `stop` is set, or the service ended."""
+        while not stop.is_set() and self.alive:
+            if self.loop.idle and self._inbox.empty():
+                return
+            stop.wait(0.05)
+
     def waiting(self) -> int:
         """Submissions waiting for room in the engine's window."""
         return self._inbox.qsize()
