@@ -283,6 +283,13 @@ def plan_job(
                 plan.prompt_tokens += prompt_tokens
                 plan.lm_visual_tokens += visual
                 plan.tokens += visual + prompt_tokens + max_new
+        if spec.summarize is not None and shown:
+            # One text-only request over the source's answers (each at --max-new-tokens, with
+            # its place and question: ~16 tokens); in stages when over the context.
+            summary = counter(spec.summarize) + len(shown) * len(prompt_counts) * (max_new + 16)
+            plan.requests += 1
+            plan.prompt_tokens += summary
+            plan.tokens += summary + max_new
         longest = max(shown, default=0) + max(prompt_counts) + max_new
         if spec.window is not None and shown and model.context is not None and longest > model.context:
             plan.over_context = True
