@@ -7,7 +7,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ingest.spec import JobSpec
-from storage.rows import UnitTask
+from storage.rows import UnitTask, WindowTask
+from storage.summaries import SourceTask
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,8 @@ class ServiceClosed(RuntimeError):
 class JobUnits:
     """Units of one job, read already (the embedded run hands on what its encode step wrote)."""
 
-    units: list[UnitTask]
+    # Units; or a windowed job's windows, or a source to summarize (what the loop turns them into).
+    units: list[UnitTask | WindowTask | SourceTask]
     spec: JobSpec
 
     @property
