@@ -334,7 +334,7 @@ def test_a_window_over_the_models_context_is_refused_by_plan_and_run(tiny_model_
             "over the model's context of 32,768 tokens" in result.output and "--detail low" in result.output
         )
     assert CliRunner().invoke(app, ["plan", *args[:-1], "4"]).exit_code == 0
-    assert "lm_visual_tokens" in CliRunner().invoke(app, ["plan", *args[:-1], "4", "--json"]).output
+    assert "visual_to_lm" in CliRunner().invoke(app, ["plan", *args[:-1], "4", "--json"]).output
 
 
 def test_windows_where_a_request_takes_one_image_are_refused_up_front() -> None:

@@ -155,9 +155,10 @@ class SourcePlan:
     requests: int = 0  # units x prompts
     visual_tokens: int = 0  # per unit, summed (what ingest records)
     visual_tokens_max: int = 0  # of one unit
-    # Visual tokens the LM is given over all requests: each unit's once per question, a window's
-    # units once per window and question (overlapping windows show a unit again).
-    lm_visual_tokens: int = 0
+    # Visual tokens the LM is given over all requests (status --json: tokens.spent.visual_to_lm):
+    # each unit's once per question, a window's units once per window and question (overlapping
+    # windows show a unit again).
+    visual_to_lm: int = 0
     prompt_tokens: int = 0  # over all requests
     tokens: int = 0  # over all requests: visual + prompt + max new tokens
     kv_bytes_per_request: int = 0  # the largest request
@@ -281,7 +282,7 @@ def plan_job(
             for prompt_tokens in prompt_counts:
                 plan.requests += 1
                 plan.prompt_tokens += prompt_tokens
-                plan.lm_visual_tokens += visual
+                plan.visual_to_lm += visual
                 plan.tokens += visual + prompt_tokens + max_new
         if spec.summarize is not None and shown:
             # One text-only request over the source's answers (each at --max-new-tokens, with
@@ -305,7 +306,7 @@ def plan_job(
         total.units += p.units
         total.requests += p.requests
         total.visual_tokens += p.visual_tokens
-        total.lm_visual_tokens += p.lm_visual_tokens
+        total.visual_to_lm += p.visual_to_lm
         total.visual_tokens_max = max(total.visual_tokens_max, p.visual_tokens_max)
         total.prompt_tokens += p.prompt_tokens
         total.tokens += p.tokens
