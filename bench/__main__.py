@@ -33,6 +33,7 @@ BENCHMARKS = [
     "cache_compression",  # Q14: zstd/lz4 on cache entries (docs/scale.md; not charted)
     "hot_tier",  # Q15: a too-small cache Redis, and what one moves (docs/scale.md; not charted)
     "dead_worker",  # issue 32: a SIGKILLed GPU worker's job done how soon, Redis and RabbitMQ
+    "windows",  # issue 34: a video in 10-s windows against its frames one by one
 ]
 
 # Run only when named (`python -m bench db_scale`): too long for the whole suite (10M rows).

@@ -470,9 +470,14 @@ class Answer:
     error: str | None
 
 
+# An answer's place among a unit's: its prompt, its turn (`--then`) and, for a window's answer
+# keyed by this unit, the window's last unit (None for the unit's own answer).
+AnswerKey = tuple[int, int, int | None]
+
+
 def iter_unit_pairs(
     db: Database, job_a: str, job_b: str, *, chunk_size: int = 500
-) -> Iterator[tuple[UnitPair, dict[int, Answer], dict[int, Answer]]]:
+) -> Iterator[tuple[UnitPair, dict[AnswerKey, Answer], dict[AnswerKey, Answer]]]:
     """Every unit the jobs share, with each job's answers by prompt index, in (uri, index) order.
 
     The pairs stream from one query matched by the database on its unique indexes (sources
@@ -505,12 +510,11 @@ def iter_unit_pairs(
         for rows in session.execute(pairs).partitions():
             chunk = [UnitPair(**row._mapping) for row in rows]
             ids = [p.unit_a for p in chunk] + [p.unit_b for p in chunk]
-            answers: dict[int, dict[int, Answer]] = {}
-            # First turns only: a follow-up turn (`--then`) is not matched yet (docs/windows.md).
-            stmt = select(r.unit_id, r.prompt_index, r.output, r.text, r.error).where(
-                r.unit_id.in_(ids), r.turn == 0
+            answers: dict[int, dict[AnswerKey, Answer]] = {}
+            stmt = select(r.unit_id, r.prompt_index, r.turn, r.unit_to, r.output, r.text, r.error).where(
+                r.unit_id.in_(ids), r.scope != "source"
             )
-            for unit_id, prompt_index, output, text, error in session.execute(stmt):
-                answers.setdefault(unit_id, {})[prompt_index] = Answer(output, text, error)
+            for unit_id, prompt_index, turn, unit_to, output, text, error in session.execute(stmt):
+                answers.setdefault(unit_id, {})[prompt_index, turn, unit_to] = Answer(output, text, error)
             for pair in chunk:
                 yield pair, answers.get(pair.unit_a, {}), answers.get(pair.unit_b, {})

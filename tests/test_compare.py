@@ -273,8 +273,8 @@ def test_compare_on_postgres(tmp_path, tiny_model_dir, postgres_url):
         assert [(p.uri, p.unit_index) for p, _, _ in pairs] == sorted({(s, u) for s, u, _ in a})
         for pair, answers_a, answers_b in pairs:
             for i in range(len(TEXT_PROMPTS)):
-                assert answers_a[i].text == a[(pair.uri, pair.unit_index, i)]["text"]
-                assert answers_b[i].text == b[(pair.uri, pair.unit_index, i)]["text"]
+                assert answers_a[i, 0, None].text == a[(pair.uri, pair.unit_index, i)]["text"]
+                assert answers_b[i, 0, None].text == b[(pair.uri, pair.unit_index, i)]["text"]
         c = compare_jobs(db, high, low)
         for i, p in enumerate(c.prompts):
             same = sum(a[k]["text"].strip() == b[k]["text"].strip() for k in a if k[2] == i)

@@ -373,3 +373,20 @@ def test_the_review_page_shows_a_windows_answer_over_a_strip_of_its_pages(settin
     assert f'src="thumb/{units[2]}.jpg"' not in first
     assert 'data-from="2" data-to="2"' in html  # the last window: page 3 alone
     assert "Q1, follow-up 1: And the total?" in html and "Q2: Is there a table?" in html
+
+
+@pytest.mark.slow
+def test_compare_matches_windows_by_range_and_turn(settings_factory, tmp_path) -> None:
+    from worker.review.compare import compare_jobs
+
+    folder = _inputs(tmp_path, pages=4)
+    spec = SPEC.model_copy(update={"then": [["And the total?"], []]})
+    rt = Runtime(settings_factory())
+    first, second = run_job(rt, [folder], spec), run_job(rt, [folder], spec)
+    paged = run_job(rt, [folder], spec.model_copy(update={"window": None}))
+    same = compare_jobs(rt.db, first, second)
+    # Prompt 1: 2 windows x 2 turns; prompt 2: 2 windows. Greedy on one model: all agree.
+    assert [(p.compared, p.agree) for p in same.prompts] == [(4, 4), (2, 2)]
+    # Windows against pages: no answer covers the same pages, so none is compared as alike.
+    other = compare_jobs(rt.db, first, paged)
+    assert all(p.agree == 0 for p in other.prompts)

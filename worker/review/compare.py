@@ -251,10 +251,15 @@ def compare_jobs(db: Database, job_a: str, job_b: str, *, page_limit: int = DEFA
         units_shared += 1
         diffs = []
         for agreement in prompts:
-            answer_a, answer_b = answers_a.get(agreement.index_a), answers_b.get(agreement.index_b)
-            diff = _judge(agreement, answer_a, answer_b)
-            if diff is not None:
-                diffs.append(diff)
+            # Matched by turn and by what the answer covers (a window's last unit), too.
+            covers = {(t, u) for p, t, u in answers_a if p == agreement.index_a}
+            covers |= {(t, u) for p, t, u in answers_b if p == agreement.index_b}
+            for turn, last in sorted(covers, key=_covers_order) or [(0, None)]:
+                answer_a = answers_a.get((agreement.index_a, turn, last))
+                answer_b = answers_b.get((agreement.index_b, turn, last))
+                diff = _judge(agreement, answer_a, answer_b)
+                if diff is not None:
+                    diffs.append(diff)
         if not diffs:
             continue
         differing += 1
@@ -281,6 +286,12 @@ def compare_jobs(db: Database, job_a: str, job_b: str, *, page_limit: int = DEFA
         differing_units=differing,
         pages=pages,
     )
+
+
+def _covers_order(covers: tuple[int, int | None]) -> tuple[int, int]:
+    """Turns in order, a unit's own answer before the windows it starts."""
+    turn, last = covers
+    return turn, -1 if last is None else last
 
 
 def _judge(agreement: PromptAgreement, a: Answer | None, b: Answer | None) -> DiffAnswer | None:
