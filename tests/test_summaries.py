@@ -121,3 +121,25 @@ def test_a_stopped_job_gets_its_summaries_on_resume(settings_factory, tmp_path, 
     summary = repo.job_summary(rt.db, job_id)
     assert summary["status"] == "succeeded", summary
     assert len(_summaries(rt, job_id)) == 2
+
+
+def test_a_summary_is_text_even_in_a_schema_job() -> None:
+    """The schema constrains each page's answer; the summary over them is plain text."""
+    from storage.rows import UnitTask
+    from storage.summaries import SourceTask
+    from worker.engines.base import EngineRequest, Generation
+    from worker.stages.generate.requests import Prepared, RequestBuilder
+
+    spec = JobSpec(prompts=["Total?"], summarize="Sum up.", json_schema={"type": "object"})
+    anchor = UnitTask(1, "job", 2, "a.pdf", "pdf", 0, "k", 10, 64, 64, None, None, None)
+    task = SourceTask(anchor, 3, ())
+    request = EngineRequest([1, 2, 3], (), "summary", max_new_tokens=8)
+    builder = RequestBuilder(None, None, model_name="m", engine_name="e")  # row() needs neither
+    row = builder.row(Prepared(task, spec, 1, request), Generation([5, 6], "Two invoices.", "stop"), 1.0)
+    assert (row.scope, row.unit_to, row.prompt_index, row.error, row.text) == (
+        "source",
+        3,
+        1,
+        None,
+        "Two invoices.",
+    )

@@ -312,7 +312,7 @@ class GenerateLoop:
         if chain.final or row.error is not None or row.text is None:
             if not chain.final:  # a part failed: the summary is that failure
                 row = dataclasses.replace(row, error=f"a part of the summary failed: {row.error}")
-            self._answer(work, dataclasses.replace(row, prompt_index=summary_index(chain.spec)))
+            self._answer(work, row)
             return
         chain.answers[prepared.part] = row.text
         if len(chain.answers) == chain.parts:

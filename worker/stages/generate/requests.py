@@ -182,7 +182,7 @@ class RequestBuilder:
             )
         output = None
         text = without_nul(outcome.text)
-        if spec.json_schema is not None:
+        if spec.json_schema is not None and not isinstance(unit, SourceTask):  # a summary is text
             output, error = validate_output(text, spec.json_schema)
             output = without_nul(output)
             if error and outcome.finish_reason == "length":
