@@ -54,11 +54,11 @@ def test_results_the_database_refuses_fail_their_units_and_the_job_goes_on(
     real = repo.store_results
     calls = []
 
-    def store_results(db, rows, units, windows=None):
+    def store_results(db, rows, units, *settled):
         calls.append(len(units))
         if len(calls) == 1:
             raise ValueError("value too long for the column")  # permanent: not retried
-        return real(db, rows, units, windows)
+        return real(db, rows, units, *settled)
 
     monkeypatch.setattr(repo, "store_results", store_results)
     rt = Runtime(settings_factory())
@@ -96,7 +96,7 @@ def _stopped_with_encoded_units(rt: Runtime, folder, monkeypatch) -> str:
     run = embedded.EmbeddedRun(rt)
     real = repo.store_results
 
-    def stop_at_first_write(db, rows, units, windows=None):
+    def stop_at_first_write(db, rows, units, *settled):
         run.request_stop("interrupted by SIGINT (Ctrl-C)")
         # Transient: retried with backoff, which the stop must cut short (it waited out minutes
         # of backoff before the generate loop's retries heard the stop).
@@ -141,7 +141,7 @@ def test_resumed_encoded_units_whose_generation_fails_are_failed_with_the_cause(
     job_id = _stopped_with_encoded_units(rt, folder, monkeypatch)
     encoded = len(repo.units_in_state(rt.db, job_id, UnitStatus.ENCODED))
 
-    def refuse(db, rows, units, windows=None):
+    def refuse(db, rows, units, *settled):
         raise ValueError("value too long for the column")  # permanent: not retried
 
     monkeypatch.setattr(repo, "store_results", refuse)

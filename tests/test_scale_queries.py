@@ -112,7 +112,9 @@ def _columns(db: Database, table: str) -> set[str]:
 def test_migration_0007_up_and_down_keeps_the_data(db_url: str) -> None:
     db = Database(db_url)
     try:
-        db.upgrade("0007")
+        # The data written by today's code (its results have the columns of later revisions too),
+        # then down past 0007 (every later revision's downgrade with rows in its tables) and up.
+        db.upgrade()
         job_id = finished_job(db, ["file:///a.pdf"])
         assert "tokens" in _columns(db, "jobs")
         assert "ix_results_job_id_failed" in _indexes(db, "results")

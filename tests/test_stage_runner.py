@@ -23,6 +23,7 @@ import pytest
 import sqlalchemy.exc
 from sqlalchemy import select
 
+from ingest.spec import JobSpec
 from storage import repository as repo
 from storage.models import SOURCES, UNITS, UnitStatus
 from storage.object_store import ObjectNotFound
@@ -37,7 +38,7 @@ from worker.stages.generate import JobUnits, UnitsOutcome
 from worker.stages.ingest import IngestStep
 from worker.stages.runner import RetriesSpent, UnitsWork
 
-SPEC = {"prompts": ["What is on this page?"]}
+SPEC = JobSpec(prompts=["What is on this page?"])
 TRIES = 3  # two retries
 FAST = RetryPolicy(max_retries=TRIES - 1, backoff_base_s=1.0, backoff_max_s=0.001)
 LOCATION = "store:in/a.pdf"
@@ -145,7 +146,7 @@ def _run_embedded(db, stage: str, job_id: str, source_id: int, unit_ids: list[in
     else:
         units = repo.units_by_ids(db, unit_ids, UnitStatus.ENCODED)
         settled: Future = Future()
-        run._try_generate(FakeService(script), JobUnits(units, SPEC), settled, 1)  # type: ignore[arg-type]
+        run._try_generate(FakeService(script), JobUnits(units, SPEC), settled, 1)  # type: ignore[arg-type] - a fake service
         settled.result(timeout=10)
 
 
@@ -259,7 +260,7 @@ def test_a_generate_retry_after_a_transient_error_is_a_new_submission(sqlite_db)
     run = _embedded(sqlite_db)
     settled: Future = Future()
     units = repo.units_by_ids(sqlite_db, unit_ids, UnitStatus.ENCODED)
-    run._try_generate(RawService(), JobUnits(units, SPEC), settled, 1)  # type: ignore[arg-type]
+    run._try_generate(RawService(), JobUnits(units, SPEC), settled, 1)  # type: ignore[arg-type] - a fake service
     settled.result(timeout=10)
     assert script.tries == 2 and threading.active_count() >= 1
     assert _recorded(sqlite_db, "generate", 0, unit_ids) == [None, None]

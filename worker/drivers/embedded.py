@@ -385,8 +385,10 @@ class EmbeddedRun:
     ) -> None:
         """One try of generation; the runner decides what its failure means (a retry after a wait,
         from a timer: the callback runs in the generate service's thread, which must not wait)."""
-        ids = units.unit_ids if isinstance(units, UnitIds) else [u.unit_id for u in units.units]
-        work = UnitsWork(self.job_id or "", ids)
+        if isinstance(units, UnitIds):  # a windowed job's units, named to find their windows
+            work = UnitsWork(self.job_id or "", units.unit_ids)
+        else:
+            work = UnitsWork(units.units[0].job_id, [u.unit_id for u in units.units])
 
         def done(future: Future) -> None:
             error = None if future.cancelled() else future.exception()

@@ -19,6 +19,7 @@ first (storage.results.store_results), so answers the engine gave between two po
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -79,7 +80,6 @@ class GenerateLoop:
         self._stopped: set[str] = set()  # jobs found finished: their units are refused from now on
         self.engine = rt.engine
         self.builder = rt.requests
-        self.summaries = SummaryBuilder(self.builder.adapter, context_tokens(self.builder.adapter))
         self.window = window or rt.generate_window
         self._requests: dict[str, tuple[Prepared, float]] = {}  # request id -> (request, added at)
         # Request ids are never reused (unit:prompt:sequence): an abort or a late output of an
@@ -91,6 +91,11 @@ class GenerateLoop:
         self._flushed_at = self._polled_at = time.monotonic()
         self.results_stored = 0
         self.busy_seconds = 0.0
+
+    @functools.cached_property
+    def summaries(self) -> SummaryBuilder:
+        """Builds the requests of sources' summaries (made on first use: most jobs have none)."""
+        return SummaryBuilder(self.builder.adapter, context_tokens(self.builder.adapter))
 
     # --- taking work ---------------------------------------------------------------------------
 
