@@ -390,3 +390,20 @@ def test_compare_matches_windows_by_range_and_turn(settings_factory, tmp_path) -
     # Windows against pages: no answer covers the same pages, so none is compared as alike.
     other = compare_jobs(rt.db, first, paged)
     assert all(p.agree == 0 for p in other.prompts)
+
+
+@pytest.mark.slow
+def test_time_windows_over_a_video(settings_factory, tmp_path) -> None:
+    """`--window 2s:1s` over 4 frames sampled at 1 fps: spans [0, 2), [1, 3), [2, 4) seconds."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    write_video(folder / "clip.mp4", seconds=4)
+    rt = Runtime(settings_factory())
+    job_id = run_job(rt, [folder], SPEC.model_copy(update={"window": "2s:1s"}))
+    assert repo.job_summary(rt.db, job_id)["status"] == "succeeded"
+    rows = [r for r in repo.iter_results(rt.db, job_id) if r["prompt_index"] == 0]
+    assert [(r["unit"], r["unit_to"], r["timestamp"], r["timestamp_to"]) for r in rows] == [
+        (0, 1, 0.0, 1.0),
+        (1, 2, 1.0, 2.0),
+        (2, 3, 2.0, 3.0),
+    ]
