@@ -10,11 +10,11 @@ from ingest.spec import JobSpec
 from storage import repository as repo
 from visbatch.settings import Settings
 from worker.errors import UserError
+from worker.stages.needs import StartNeeds
 
 if TYPE_CHECKING:
     from worker.engines.base import StepEngine
     from worker.models.base import ModelAdapter
-from worker.stages.needs import StartNeeds
 
 
 @dataclass(frozen=True)

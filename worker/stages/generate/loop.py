@@ -314,6 +314,7 @@ class GenerateLoop:
         """A source summary's request answered: the last is the summary's row; a part's answer
         waits for the stage's others, then the next stage is asked (summaries.SummaryBuilder)."""
         chain = prepared.chain
+        assert chain is not None
         if chain.final or row.error is not None or row.text is None:
             if not chain.final:  # a part failed: the summary is that failure
                 row = dataclasses.replace(row, error=f"a part of the summary failed: {row.error}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ingest.budget import PixelBounds
 from ingest.spec import JobSpec
@@ -21,6 +21,9 @@ from worker.engines.structured import validate_output
 from worker.models.base import ModelAdapter
 from worker.tokens.store import VisualTokenStore
 from worker.tokens.tensors import VisualTokens
+
+if TYPE_CHECKING:
+    from worker.stages.generate.summaries import SummaryChain
 
 # A follow-up turn's earlier turns: (question, answer) each, in order.
 History = tuple[tuple[str, str], ...]
@@ -48,7 +51,7 @@ class Prepared:
     history: History = ()
     # A source's summary (worker.stages.generate.summaries): its chain, and which part of the
     # chain's current stage this request is (the final request has the chain's `final` set).
-    chain: Any = None
+    chain: SummaryChain | None = None
     part: int = 0
 
     @property
