@@ -417,3 +417,24 @@ def test_windows_with_pruning_or_merging_are_refused(tmp_path, monkeypatch) -> N
     for option in ({"prune_keep": 0.5}, {"merge_keep": 0.5}):
         with pytest.raises(visbatch.Error, match="pruning and merging take one image per request"):
             visbatch.run([folder], prompts=["q"], window="2", model=str(tmp_path / "no-model"), **option)
+
+
+@pytest.mark.slow
+def test_plan_counts_what_the_run_spends(settings_factory, tiny_model_dir, tmp_path) -> None:
+    """`plan` before the run: requests (windows x questions, plus a summary per source) and the
+    visual tokens the LM is given are what the run then stores and counts."""
+    from worker.planning.planner import load_plan_model, plan_job
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    write_pdf(folder / "doc.pdf", pages=5)
+    write_video(folder / "clip.mp4", seconds=3)
+    spec = SPEC.model_copy(update={"window": "2", "then": [["And?"], []], "summarize": "Sum up."})
+    planned = plan_job([folder], spec, load_plan_model(str(tiny_model_dir))).total
+    rt = Runtime(settings_factory())
+    job_id = run_job(rt, [folder], spec)
+    summary = repo.job_summary(rt.db, job_id)
+    assert summary["status"] == "succeeded", summary
+    assert planned.requests == summary["results"] + summary["results_failed"]
+    assert planned.visual_to_lm == summary["tokens"]["spent"]["visual_to_lm"]
+    assert planned.visual_tokens == summary["visual_tokens"]
