@@ -9,8 +9,8 @@ its units' cached tokens in order, laid out as the model's processor lays out se
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from ingest.budget import PixelBounds
 from ingest.spec import JobSpec
@@ -21,9 +21,6 @@ from worker.engines.structured import validate_output
 from worker.models.base import ModelAdapter
 from worker.tokens.store import VisualTokenStore
 from worker.tokens.tensors import VisualTokens
-
-if TYPE_CHECKING:
-    from worker.stages.generate.summaries import SummaryChain
 
 # A follow-up turn's earlier turns: (question, answer) each, in order.
 History = tuple[tuple[str, str], ...]
@@ -36,6 +33,20 @@ class Question:
     prompt_index: int
     turn: int = 0
     history: History = ()
+
+
+@dataclass
+class SummaryChain:
+    """The stages of one source's summary (worker.stages.generate.summaries): the texts the
+    current stage summarizes, the answers of its parts so far."""
+
+    task: SourceTask
+    spec: JobSpec
+    texts: list[str]
+    stage: int = 0
+    parts: int = 0
+    answers: dict[int, str] = field(default_factory=dict)
+    final: bool = False
 
 
 @dataclass(frozen=True)

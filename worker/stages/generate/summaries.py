@@ -9,31 +9,15 @@ stored (one row per source, scope `source`); the parts are redone if the run sto
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from ingest.spec import JobSpec
 from storage.summaries import SourceAnswer, SourceTask
 from worker.engines.base import EngineRequest
 from worker.models.base import ModelAdapter
 from worker.results_export import question, span
-from worker.stages.generate.requests import Prepared
+from worker.stages.generate.requests import Prepared, SummaryChain
 
 # A part is never cut below this many tokens (a context too small for even one answer).
 MIN_PART_TOKENS = 64
-
-
-@dataclass
-class SummaryChain:
-    """The stages of one source's summary: the texts the current stage summarizes, the answers
-    of its parts so far."""
-
-    task: SourceTask
-    spec: JobSpec
-    texts: list[str]
-    stage: int = 0
-    parts: int = 0
-    answers: dict[int, str] = field(default_factory=dict)
-    final: bool = False
 
 
 def answer_lines(kind: str | None, answers: tuple[SourceAnswer, ...], spec: JobSpec) -> list[str]:
