@@ -78,16 +78,13 @@ class UnitTask:
 
 
 @dataclass(frozen=True, slots=True)
-class WindowTask:
-    """Consecutive units of one source asked in one prompt (ingest.windows). Its answers are
-    keyed by its first unit (`anchor`); `units` are those shown, in order (a skipped frame
-    repeats one shown already, and is left out); `failed` says which of its units could not be
-    encoded and why (the window is not asked: its answer is that error)."""
+class AnchoredTask:
+    """Work over several units of one source whose answers are keyed by its first unit
+    (`anchor`), up to the unit index `last`: a window (`WindowTask`), a source's summary
+    (storage.summaries.SourceTask)."""
 
     anchor: UnitTask
-    last: int  # the window's last unit index
-    units: tuple[UnitTask, ...]
-    failed: tuple[str, ...] = ()
+    last: int
 
     @property
     def unit_id(self) -> int:
@@ -100,6 +97,17 @@ class WindowTask:
     @property
     def source_id(self) -> int:
         return self.anchor.source_id
+
+
+@dataclass(frozen=True, slots=True)
+class WindowTask(AnchoredTask):
+    """Consecutive units of one source asked in one prompt (ingest.windows). `units` are those
+    shown, in order (a skipped frame repeats one shown already, and is left out); `failed` says
+    which of its units could not be encoded and why (the window is not asked: its answer is
+    that error)."""
+
+    units: tuple[UnitTask, ...] = ()
+    failed: tuple[str, ...] = ()
 
     @property
     def visual_tokens(self) -> int:

@@ -13,14 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, select
 
 from storage.db import Database
-from storage.models import RESULTS, SOURCES, UNITS, SourceStatus, UnitStatus
-from storage.rows import UnitTask
-from storage.sql import chunks
+from storage.models import RESULTS, SOURCES, UNITS, UnitStatus
+from storage.rows import AnchoredTask, UnitTask
+from storage.sql import RESULT_COLUMNS
 from storage.units import TASK_COLUMNS, finish_units_in
-from storage.windows import WindowRule, answered_windows
+from storage.windows import WindowRule, answer_counts, answered_windows, source_units
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,24 +38,10 @@ class SourceAnswer:
 
 
 @dataclass(frozen=True, slots=True)
-class SourceTask:
+class SourceTask(AnchoredTask):
     """A source to summarize: its first unit (the row's key), its last unit's index, its answers."""
 
-    anchor: UnitTask
-    last: int
-    answers: tuple[SourceAnswer, ...]
-
-    @property
-    def unit_id(self) -> int:
-        return self.anchor.unit_id
-
-    @property
-    def job_id(self) -> str:
-        return self.anchor.job_id
-
-    @property
-    def source_id(self) -> int:
-        return self.anchor.source_id
+    answers: tuple[SourceAnswer, ...] = ()
 
     visual_tokens = 0
     cache_hit = False
@@ -79,15 +65,8 @@ def answered_sources(
 def _answered(
     session: Connection, source_id: int, rule: WindowRule | None, questions: int, summary_index: int
 ) -> SourceTask | None:
-    status = session.execute(select(SOURCES.c.status).where(SOURCES.c.id == source_id)).scalar_one()
-    stmt = (
-        select(*TASK_COLUMNS, UNITS.c.status)
-        .join_from(UNITS, SOURCES, UNITS.c.source_id == SOURCES.c.id)
-        .where(UNITS.c.source_id == source_id)
-        .order_by(UNITS.c.unit_index)
-    )
-    rows = session.execute(stmt).all()
-    if status == SourceStatus.PENDING.value or not rows:
+    complete, rows = source_units(session, source_id)
+    if not complete or not rows:
         return None
     if any(row.status == UnitStatus.PENDING.value for row in rows):
         return None
@@ -98,7 +77,7 @@ def _answered(
         if not answered_windows(session, rule, rows, questions):
             return None
     else:
-        answered = _answer_counts(session, ids)
+        answered = answer_counts(session, ids, "unit")
         encoded = [row.id for row in rows if row.status == UnitStatus.ENCODED.value]
         if any(answered.get(unit_id, 0) < questions for unit_id in encoded):
             return None
@@ -113,43 +92,27 @@ def _has_summary(session: Connection, anchor_id: int, summary_index: int) -> boo
     return session.execute(stmt.limit(1)).first() is not None
 
 
-def _answer_counts(session: Connection, unit_ids: Sequence[int]) -> dict[int, int]:
-    counts: dict[int, int] = {}
-    for chunk in chunks(unit_ids):
-        stmt = (
-            select(RESULTS.c.unit_id, func.count())
-            .where(RESULTS.c.unit_id.in_(chunk), RESULTS.c.scope == "unit")
-            .group_by(RESULTS.c.unit_id)
-        )
-        counts.update({int(u): int(n) for u, n in session.execute(stmt)})
-    return counts
-
-
 def _source_answers(session: Connection, source_id: int) -> list[SourceAnswer]:
-    end = UNITS.alias("last_unit")
+    """The source's answers (its summary's aside) as every reader selects them (RESULT_COLUMNS)."""
     stmt = (
-        select(
-            UNITS.c.unit_index,
-            RESULTS.c.unit_to,
-            UNITS.c.timestamp,
-            end.c.timestamp,
-            RESULTS.c.prompt_index,
-            RESULTS.c.turn,
-            RESULTS.c.text,
-            RESULTS.c.error,
-        )
+        select(*RESULT_COLUMNS)
         .join_from(RESULTS, UNITS, RESULTS.c.unit_id == UNITS.c.id)
-        .outerjoin(
-            end,
-            (end.c.source_id == UNITS.c.source_id)
-            & (end.c.unit_index == func.coalesce(RESULTS.c.unit_to, UNITS.c.unit_index)),
-        )
+        .join(SOURCES, UNITS.c.source_id == SOURCES.c.id)
         .where(UNITS.c.source_id == source_id, RESULTS.c.scope != "source")
         .order_by(UNITS.c.unit_index, RESULTS.c.prompt_index, RESULTS.c.turn)
     )
     return [
-        SourceAnswer(index, index if to is None else to, start, stop, p, turn, text, error)
-        for index, to, start, stop, p, turn, text, error in session.execute(stmt)
+        SourceAnswer(
+            r.unit,
+            r.unit if r.unit_to is None else r.unit_to,
+            r.timestamp,
+            r.timestamp_to,
+            r.prompt_index,
+            r.turn,
+            r.text,
+            r.error,
+        )
+        for r in session.execute(stmt)
     ]
 
 

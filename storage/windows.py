@@ -44,7 +44,7 @@ def windows_containing(windows: Sequence[tuple[int, int]], indexes: set[int]) ->
     return held
 
 
-def _source_units(session: Connection, source_id: int) -> tuple[bool, list[Any]]:
+def source_units(session: Connection, source_id: int) -> tuple[bool, list[Any]]:
     """Whether the source is split to its end, and its units by index (task columns, status, error)."""
     status = session.execute(select(SOURCES.c.status).where(SOURCES.c.id == source_id)).scalar_one()
     stmt = (
@@ -74,7 +74,7 @@ def ready_windows(db: Database, plan: WindowRule, unit_ids: Sequence[int]) -> li
             ):
                 by_source[int(source_id)].add(int(unit_id))
         for source_id, ids in sorted(by_source.items()):
-            complete, rows = _source_units(session, source_id)
+            complete, rows = source_units(session, source_id)
             positions = {i for i, row in enumerate(rows) if row.id in ids}
             for first, last in windows_containing(_windows(plan, complete, rows), positions):
                 members = rows[first : last + 1]
@@ -105,18 +105,24 @@ def _task(members: Sequence[Any]) -> WindowTask:
     return WindowTask(unit(members[0]), members[-1].unit_index, shown, failed)
 
 
+def answer_counts(session: Connection, unit_ids: Sequence[int], scope: str) -> dict[int, int]:
+    """How many answers of `scope` (`unit`, `window`) each unit holds (a window's: its first unit)."""
+    counts: dict[int, int] = {}
+    for chunk in chunks(unit_ids):
+        stmt = (
+            select(RESULTS.c.unit_id, func.count())
+            .where(RESULTS.c.unit_id.in_(chunk), RESULTS.c.scope == scope)
+            .group_by(RESULTS.c.unit_id)
+        )
+        counts.update({int(u): int(n) for u, n in session.execute(stmt)})
+    return counts
+
+
 def _unanswered(session: Connection, plan: WindowRule, rows: Sequence[Any], questions: int) -> list[bool]:
     """Per unit position: whether it is in a window still without all its answers (one per
     prompt and turn: rows are unique on those)."""
-    answered: set[int] = set()
-    for chunk in chunks([row.id for row in rows]):
-        stmt = (
-            select(RESULTS.c.unit_id)
-            .where(RESULTS.c.unit_id.in_(chunk), RESULTS.c.scope == "window")
-            .group_by(RESULTS.c.unit_id)
-            .having(func.count() >= questions)
-        )
-        answered.update(int(u) for (u,) in session.execute(stmt))
+    counts = answer_counts(session, [row.id for row in rows], "window")
+    answered = {unit_id for unit_id, n in counts.items() if n >= questions}
     unanswered = [False] * len(rows)
     for first, last in _windows(plan, True, rows):
         if rows[first].id not in answered:
@@ -136,7 +142,7 @@ def settle_windows_in(session: Connection, sources: Sequence[tuple[int, WindowRu
     countdown: storage.sql). A source still being split waits: its last windows are not known."""
     finished: list[int] = []
     for source_id, plan, questions in sources:
-        complete, rows = _source_units(session, source_id)
+        complete, rows = source_units(session, source_id)
         if not complete or not rows:
             continue
         unanswered = _unanswered(session, plan, rows, questions)
