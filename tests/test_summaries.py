@@ -143,3 +143,18 @@ def test_a_summary_is_text_even_in_a_schema_job() -> None:
         None,
         "Two invoices.",
     )
+
+
+def test_the_review_page_shows_a_sources_summary_at_its_top(settings_factory, tmp_path) -> None:
+    from worker.review.site import ReviewSite
+
+    rt = Runtime(settings_factory())
+    job_id = run_job(rt, [_inputs(tmp_path, pages=2)], SPEC.model_copy(update={"window": "2"}))
+    pdf = next(r for r in _summaries(rt, job_id) if r["source"].endswith("doc.pdf"))
+    units = repo.units_in_state(rt.db, job_id, UnitStatus.DONE)
+    [source_id] = {u.source_id for u in units if u.source_uri.endswith("doc.pdf")}
+    html = ReviewSite(rt.db, rt.store, job_id).source_page(source_id, "all", 1)
+    assert html is not None and html.count("Summary: What is this document about?") == 1
+    assert html.index('class="summary"') < html.index('class="unit"')  # above the pages
+    assert "no answer yet" not in html  # page 2's answer is its window's, under page 1
+    assert pdf["error"] is None

@@ -391,7 +391,7 @@ def describe_option_error(exc: Any, values: dict[str, Any], *, python: bool = Fa
         message = error["msg"].removeprefix("Value error, ")
         name = {"prompts": "prompt", "json_schema": "schema"}.get(field, field)
         value = values.get(name)
-        plain = value is not None and not isinstance(value, list | dict | bool)
+        plain = value not in (None, "") and not isinstance(value, list | dict | bool)
         if python:
             where = f"{name}={value!r}" if plain else (name or "the options")
         else:

@@ -184,9 +184,13 @@ def render_result(
     state = "schema" if r.is_schema_error else ("error" if r.error is not None else "ok")
     prompt = question(prompts, then or [], r.prompt_index, r.turn) or "(prompt not in the spec)"
     number = f"Q{r.prompt_index + 1}" + (f", follow-up {r.turn}" if r.turn else "")
+    if r.scope == "source":
+        number = "Summary"
+    # A window's strip once, above its first turn (its follow-ups come right after it).
+    strip = _window_strip(r, kind) if r.scope == "window" and r.turn == 0 else ""
     return (
         f'<div class="answer" data-prompt="{r.prompt_index}" data-turn="{r.turn}" data-state="{state}">'
-        f"{_window_strip(r, kind)}"
+        f"{strip}"
         f'<div class="prompt">{number}: {esc(prompt)}</div>'
         f"{render_answer_content(r.output, r.text, r.error)}"
         f'<div class="meta">{_result_meta(r)}</div></div>'
@@ -248,8 +252,10 @@ def render_unit(
         body.append(f'<div class="warn skip"><b>skipped:</b> {esc(unit.skip_reason)}{link}</div>')
     if unit.error is not None:
         body.append(f'<div class="err unit-error"><b>error:</b> {esc(unit.error)}</div>')
-    body.extend(render_result(r, prompts, kind, then) for r in unit.results)
-    if not unit.results and unit.status not in ("skipped", "failed"):
+    # A source's summary is shown at the top of its page (site.source_page), not under a unit.
+    body.extend(render_result(r, prompts, kind, then) for r in unit.results if r.scope != "source")
+    # A done unit without answers of its own is in a window answered under the window's first unit.
+    if not unit.results and unit.status not in ("skipped", "failed", "done"):
         body.append('<div class="muted">no answer yet</div>')
     image = image_cell(unit.id, label, unit.image_key is not None)
     return (

@@ -40,6 +40,7 @@ from worker.review.html import (
     pager,
     pages_needed,
     render_json,
+    render_result,
     render_unit,
     table,
 )
@@ -205,6 +206,10 @@ class ReviewSite:
         ]
         if source.error:
             head.append(f'<p class="err source-error"><b>error:</b> {esc(source.error)}</p>')
+        summaries = [r for unit in units for r in unit.results if r.scope == "source"]
+        if summaries:  # `--summarize`: the source's summary first
+            answers = "".join(render_result(r, self.prompts, source.kind, self.then) for r in summaries)
+            head.append(f'<section class="summary">{answers}</section>')
         head.append(f'<p class="tabs">{"".join(tabs)}</p>')
         if not units:
             empty = "no pages or frames" if view == "all" else "nothing here under this filter"
