@@ -94,8 +94,7 @@ def main() -> None:
         for unit, spec in ((unit, job.spec) for job in jobs for unit in job.units):
             for prepared in rt.requests.prepare(unit, spec, list(range(len(spec.prompts)))):
                 request = prepared.request
-                image = request.single_image("LLM.generate")
-                prompts.append(rt.adapter.vllm_prompt(request.prompt_ids, image, request.cache_key))
+                prompts.append(rt.adapter.vllm_prompt(request.prompt_ids, request.images, request.image_keys))
                 params.append(engine._sampling_params(request))
         return prompts, params
 

@@ -134,9 +134,9 @@ def test_internvl_one_encode_serves_every_prompt(family_model_dir):
     ]
     outputs = make_engine("transformers", adapter).generate(requests)
     processor, eos = adapter.processor, set(adapter.eos_token_ids)
-    # The vLLM inputs kept for when vLLM takes varying sizes (worker.models.internvl): ONE
+    # The vLLM inputs (through visbatch's vLLM plugin, worker.engines.vllm_models): ONE
     # <IMG_CONTEXT>, which vLLM's InternS1 expands to <img>, one id per token, </img>.
-    collapsed = adapter.vllm_prompt(requests[0].prompt_ids, visual, "page")["prompt_token_ids"]
+    collapsed = adapter.vllm_prompt(requests[0].prompt_ids, [visual], ["page"])["prompt_token_ids"]
     at = collapsed.index(adapter.image_token_id)
     wrapped = [processor.start_image_token_id, *[adapter.image_token_id] * visual.num_tokens]
     assert (

@@ -199,8 +199,8 @@ def test_the_cache_holds_what_goes_in_at_the_image_positions(ov):
     for bad in ([[2, 3, 4]], [[1, 0, 4]], [[1, 3, 0]]):
         with pytest.raises(ValueError):
             ov.tokens_for_grid(torch.tensor(bad))
-    # vLLM's form (kept for when vLLM takes it): one placeholder, the (1, tokens, width) tensor.
-    prompt = ov.vllm_prompt(ov.prompt_ids(PROMPT, visuals[0]), visuals[0], "k")
+    # vLLM's form (through visbatch's plugin): one placeholder, the (1, tokens, width) tensor.
+    prompt = ov.vllm_prompt(ov.prompt_ids(PROMPT, visuals[0]), visuals[:1], ["k"])
     assert prompt["prompt_token_ids"].count(ov.image_token_id) == 1
     assert prompt["multi_modal_data"]["image"].shape == (1, visuals[0].num_tokens, ov.hidden_size)
 

@@ -60,6 +60,12 @@ def test_a_window_from_cached_entries_equals_the_processor_with_the_same_images(
     window_ids = adapter.prompt_ids(PROMPT, visuals)
     assert window_ids == _processor_inputs(adapter, images)["input_ids"][0].tolist()
     assert window_ids.count(adapter.image_token_id) == sum(v.num_tokens for v in visuals)
+    if adapter.vllm_unsupported is None:  # vLLM's inputs: one placeholder and one key per image
+        vllm = adapter.vllm_prompt(window_ids, visuals, ["a", "b", "c"])
+        assert vllm["prompt_token_ids"].count(adapter.image_token_id) == len(visuals)
+        assert vllm["multi_modal_uuids"] == {"image": ["a", "b", "c"]}
+        with pytest.raises(ValueError, match="placeholder runs"):  # the images in another order
+            adapter.vllm_prompt(window_ids, visuals[1:] + visuals[:1], ["b", "c", "a"])
 
     window = EngineRequest(window_ids, tuple(visuals), "window", max_new_tokens=NEW_TOKENS)
     single = EngineRequest(
@@ -94,12 +100,16 @@ def test_the_order_of_a_windows_images_is_the_prompts(family_model_dir):
         assert got.token_ids == _until_eos(_from_pixels(adapter, [images[i] for i in order]), eos)
 
 
-def test_engines_that_take_one_image_per_request_say_so(tiny_adapter):
+def test_what_takes_one_image_per_request_says_so(tiny_adapter):
     visual = VisualTokens(torch.zeros(4, 8), torch.tensor([[1, 4, 4]]))
     request = EngineRequest([1, 2], (visual, visual), "w", max_new_tokens=4)
     assert request.images == (visual, visual) and request.visual_tokens == 8
     with pytest.raises(
-        RequestRejected, match="2 images in one request: the vllm engine takes one per request"
+        RequestRejected, match="2 images in one request: pruning and merging takes one per request"
     ):
-        request.single_image("the vllm engine")
+        request.single_image("pruning and merging")
     assert EngineRequest([1], visual, "p", max_new_tokens=4).single_image("x") is visual
+    # A window's key is its images' keys joined (worker.stages.generate.requests), one per image.
+    assert EngineRequest([1, 2], (visual, visual), "k1+k2", max_new_tokens=4).image_keys == ("k1", "k2")
+    with pytest.raises(RequestRejected, match="does not name 2 image"):
+        _ = request.image_keys

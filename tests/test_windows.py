@@ -337,23 +337,19 @@ def test_a_window_over_the_models_context_is_refused_by_plan_and_run(tiny_model_
     assert "visual_to_lm" in CliRunner().invoke(app, ["plan", *args[:-1], "4", "--json"]).output
 
 
-def test_windows_where_a_request_takes_one_image_are_refused_up_front() -> None:
-    """The vLLM and openai engines, and LLaVA-OneVision's cache entries, take one image per
-    request: a job of windows is refused before it starts (every window would fail)."""
-    from worker.engines import engine_class
+def test_windows_of_a_family_that_takes_one_image_per_prompt_are_refused_up_front() -> None:
+    """LLaVA-OneVision's cache entries take one image per prompt: a job of windows is refused
+    before it starts (every window would fail). Every engine takes several images."""
     from worker.errors import UserError
     from worker.models.llava_onevision import LlavaOnevisionAdapter
     from worker.models.qwen2_vl import Qwen2VLAdapter
-    from worker.stages.start import refuse_unfit_engine
+    from worker.stages.start import refuse_unfit_family
 
     spec = JobSpec(prompts=["q"], window="2")
-    for engine in ("vllm", "openai"):
-        with pytest.raises(UserError, match=f"the {engine} engine takes one image per request"):
-            refuse_unfit_engine(spec, engine_class(engine), Qwen2VLAdapter)
     with pytest.raises(UserError, match="llava_onevision cannot take several cached images in one prompt"):
-        refuse_unfit_engine(spec, engine_class("transformers"), LlavaOnevisionAdapter)
-    refuse_unfit_engine(spec, engine_class("transformers"), Qwen2VLAdapter)
-    refuse_unfit_engine(JobSpec(prompts=["q"], window="1"), engine_class("vllm"), LlavaOnevisionAdapter)
+        refuse_unfit_family(spec, LlavaOnevisionAdapter)
+    refuse_unfit_family(spec, Qwen2VLAdapter)
+    refuse_unfit_family(JobSpec(prompts=["q"], window="1"), LlavaOnevisionAdapter)
 
 
 @pytest.mark.slow

@@ -33,6 +33,36 @@ def request(adapter, vt: VisualTokens, key: str, prompt: str = "Describe this im
     )
 
 
+def window_request(
+    adapter, visuals: list[VisualTokens], keys: list[str], prompt: str = "What do these pages say?", **kw
+) -> EngineRequest:
+    """One prompt over several cached images in order (a window, `--window`); `history`: the
+    earlier turns of a follow-up (`--then`). The key is the images' keys joined, as the generate
+    stage makes it."""
+    history = tuple(kw.pop("history", ()))
+    return EngineRequest(
+        prompt_ids=adapter.prompt_ids(prompt, tuple(visuals), history),
+        visual=tuple(visuals),
+        cache_key="+".join(keys),
+        max_new_tokens=kw.pop("max_new_tokens", NEW_TOKENS),
+        prompt=prompt,
+        history=history,
+        **kw,
+    )
+
+
+def video_frame(tmp_path) -> Image.Image:
+    """A sampled frame of a generated clip, as the pipeline hands it on."""
+    from ingest.units import RenderedImage
+    from ingest.video import sample_video_frames
+    from tests.media import write_video
+
+    clip = write_video(tmp_path / "clip.mp4", seconds=2, size=(320, 240))
+    return next(
+        f for f in sample_video_frames(clip, fps=1.0, max_frames=2) if isinstance(f, RenderedImage)
+    ).image
+
+
 def assert_same(vllm_out: list[Generation], hf_out: list[Generation]) -> None:
     assert [g.error for g in vllm_out] == [None] * len(vllm_out)
     assert [g.token_ids for g in vllm_out] == [g.token_ids for g in hf_out]
@@ -50,3 +80,13 @@ SCHEMA = {
     "required": ["label", "count", "ok"],
     "additionalProperties": False,
 }
+
+
+def answers(db, job_id: str) -> dict:
+    """A job's answer rows by what they answer: source, first unit, prompt, turn and scope."""
+    from storage import repository as repo
+
+    return {
+        (r["source"], r["unit"], r["prompt_index"], r["turn"], r["scope"]): r
+        for r in repo.iter_results(db, job_id)
+    }

@@ -20,7 +20,16 @@ import pytest
 from ingest.spec import JobSpec, Sampling
 from storage import repository as repo
 from tests.media import write_pdf, write_video
-from tests.vllm.helpers import SCHEMA, SIZES, assert_same, encode, random_image, request
+from tests.vllm.helpers import (
+    SCHEMA,
+    SIZES,
+    answers,
+    assert_same,
+    encode,
+    random_image,
+    request,
+    window_request,
+)
 from tests.vllm.server import FlakyProxy, metric_value
 from worker.drivers.embedded import run_job
 from worker.engines.openai_engine import OpenAIEngine, OpenAIOptions
@@ -84,6 +93,36 @@ def test_json_schema_equals_vllm_in_process_and_transformers(
         assert set(value) == {"label", "count", "ok"}
     assert_same(out, vllm_engine.generate(requests))
     assert_same(out, hf_engine.generate(requests))
+
+
+def test_windows_from_two_clients_at_once_equal_vllm_in_process_and_transformers(
+    vllm_server, vllm_engine, hf_engine, vllm_adapter
+):
+    """Several image parts in one message (a window, issue 34): two clients send windows of pages
+    of different sizes at the same time, one of them with a follow-up turn; the server answers
+    each as the in-process engine and the transformers engine do."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    a = vllm_adapter
+    visuals = encode(a, [random_image(w, h, seed=140 + i) for i, (w, h) in enumerate(SIZES)])
+    keys = [f"srv-win-{i}" for i in range(len(visuals))]
+    ours = [window_request(a, visuals[:3], keys[:3]), window_request(a, visuals[3:], keys[3:])]
+    theirs = [
+        window_request(
+            a, visuals[1:4], keys[1:4], "Extract the fields.", max_new_tokens=64, json_schema=SCHEMA
+        ),
+        window_request(a, visuals[:2], keys[:2], "And the date?", history=[("What is the total?", "12 EUR")]),
+    ]
+    clients = [_engine(vllm_server, a), _engine(vllm_server, a)]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda client, requests: client.generate(requests), clients, [ours, theirs]))
+    finally:
+        for client in clients:
+            client.close()
+    for requests, out in zip([ours, theirs], got, strict=True):
+        assert_same(out, vllm_engine.generate(requests))
+        assert_same(out, hf_engine.generate(requests))
 
 
 def test_prompts_over_one_image_hit_the_server_prefix_cache(
@@ -196,16 +235,22 @@ def test_abort_stops_the_request_at_the_server(vllm_server, vllm_adapter):
     engine.close()
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"window": "2", "then": [["And the date?"], []], "summarize": "Summarize."}],
+    ids=["pages", "windows-turns-summaries"],
+)
 def test_the_embedded_pipeline_with_the_server_equals_transformers(
-    vllm_server, vllm_model_dir, settings_factory, tmp_path
+    vllm_server, vllm_model_dir, settings_factory, tmp_path, options
 ):
     inputs = tmp_path / "in"
     inputs.mkdir()
-    write_pdf(inputs / "invoice.pdf", pages=2)
+    write_pdf(inputs / "invoice.pdf", pages=3)
     write_video(inputs / "clip.mp4", seconds=2)
     spec = JobSpec(
         prompts=["What is on this page?", "Is there a table? Answer yes or no."],
         sampling=Sampling(max_new_tokens=6),
+        **options,
     )
 
     def run(engine: str, home: str) -> tuple[Runtime, str]:
@@ -226,11 +271,10 @@ def test_the_embedded_pipeline_with_the_server_equals_transformers(
     summary = repo.job_summary(rt.db, job)
     assert summary["status"] == "succeeded", summary["errors"]
 
-    def results(runtime: Runtime, job_id: str) -> dict:
-        return {(r["source"], r["unit"], r["prompt_index"]): r for r in repo.iter_results(runtime.db, job_id)}
-
-    got, want = results(rt, job), results(hf_rt, hf_job)
-    assert got.keys() == want.keys() and len(got) == (2 + 2) * len(spec.prompts)
+    got, want = answers(rt.db, job), answers(hf_rt.db, hf_job)
+    windows = 2 + 1 if options else 3 + 2  # the 3 pages in windows of 2, the 2 frames in one
+    asked = windows * (len(spec.prompts) + (1 if options else 0)) + (2 if options else 0)
+    assert got.keys() == want.keys() and len(got) == asked
     for key, row in got.items():
         assert row["engine"] == "openai" and want[key]["engine"] == "transformers"
         for column in ("text", "completion_tokens", "finish_reason", "prompt_tokens", "visual_tokens"):

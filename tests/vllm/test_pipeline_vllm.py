@@ -10,7 +10,7 @@ from ingest.spec import JobSpec, Sampling
 from storage import repository as repo
 from tests.media import write_pdf, write_video
 from tests.vllm.conftest import TEST_OPTIONS
-from tests.vllm.helpers import SCHEMA
+from tests.vllm.helpers import SCHEMA, answers
 from worker.drivers.embedded import run_job
 from worker.runtime import Runtime
 
@@ -70,3 +70,31 @@ def test_pipeline_json_schema_with_vllm(vllm_engine, vllm_model_dir, settings_fa
     for row in rows:
         assert row["error"] is None and set(row["output"]) == {"label", "count", "ok"}
         assert row["finish_reason"] == "stop" and row["completion_tokens"] > 0
+
+
+def test_windows_turns_and_summaries_with_vllm_equal_transformers(
+    vllm_engine, vllm_model_dir, settings_factory, monkeypatch, tmp_path
+):
+    """Issue 34's options on the vLLM engine: pages in windows of two, a video's frames in one,
+    a follow-up turn, and a summary per source: every row the transformers engine's."""
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    write_pdf(inputs / "invoice.pdf", pages=3)
+    write_video(inputs / "clip.mp4", seconds=2)
+    spec = SPEC.model_copy(update={"window": "2", "then": [["And the date?"], []], "summarize": "Summarize."})
+    run = [
+        _run(settings_factory, monkeypatch, tmp_path / engine, inputs, spec, engine, vllm_model_dir)
+        for engine in ("transformers", "vllm")
+    ]
+    (hf_rt, hf_job), (rt, job) = run
+    summary = repo.job_summary(rt.db, job)
+    assert summary["status"] == "succeeded", summary["errors"]
+    got, want = answers(rt.db, job), answers(hf_rt.db, hf_job)
+    # 3 windows (pages 1-2, page 3 ending the PDF's; the clip's 2 frames) x (2 prompts + 1
+    # follow-up), and a summary per source.
+    assert got.keys() == want.keys() and len(got) == 3 * 3 + 2
+    assert {key[-1] for key in got} == {"window", "source"}
+    for key, row in got.items():
+        assert row["engine"] == "vllm" and row["error"] is None, (key, row["error"])
+        for column in ("text", "completion_tokens", "finish_reason", "prompt_tokens", "visual_tokens"):
+            assert row[column] == want[key][column], (key, column)

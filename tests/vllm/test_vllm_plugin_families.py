@@ -17,7 +17,16 @@ import pytest
 import torch
 
 from tests.vllm.conftest import family_engines, require_vllm
-from tests.vllm.helpers import SCHEMA, SIZES, assert_same, encode, random_image, request
+from tests.vllm.helpers import (
+    SCHEMA,
+    SIZES,
+    assert_same,
+    encode,
+    random_image,
+    request,
+    video_frame,
+    window_request,
+)
 
 pytestmark = pytest.mark.budget(300, reason="two vLLM engine starts on a CPU, one per family")
 
@@ -49,6 +58,22 @@ def test_mixed_sizes_and_a_frame_in_one_step_give_the_transformers_tokens(family
         for i, vt in enumerate(visuals[:3])
     ]
     assert_same(vllm_engine.generate(structured), hf_engine.generate(structured))
+
+
+def test_a_window_of_mixed_sizes_equals_the_transformers_engine(family, tmp_path):
+    """Several images in one prompt (issue 34's windows), a list of one tensor per image through
+    the plugin. LLaVA-OneVision's windows are refused before they reach an engine (its processor
+    pads each image of a several-image prompt to a square: another encode)."""
+    adapter, vllm_engine, hf_engine = family
+    visuals = encode(adapter, [random_image(w, h, seed=90 + i) for i, (w, h) in enumerate(SIZES[:2])])
+    visuals += encode(adapter, [video_frame(tmp_path)])
+    if adapter.several_images_unsupported:
+        with pytest.raises(ValueError, match="padded to a square"):
+            adapter.prompt_ids("What do these pages say?", visuals)
+        return
+    keys = [f"{adapter.family}-win-{i}" for i in range(3)]
+    requests = [window_request(adapter, visuals, keys), request(adapter, visuals[0], keys[0])]
+    assert_same(vllm_engine.generate(requests), hf_engine.generate(requests))
 
 
 def test_prompts_over_one_page_hit_the_prefix_cache(family):

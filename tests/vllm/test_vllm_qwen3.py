@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.vllm.conftest import family_engines
-from tests.vllm.helpers import SCHEMA, SIZES, assert_same, encode, random_image, request
+from tests.vllm.helpers import SCHEMA, SIZES, assert_same, encode, random_image, request, window_request
 from worker.engines.structured import validate_output
 
 # Budget: two vLLM engine starts (Qwen3-VL, Qwen3-VL-MoE), 270 s on a busy 2-core machine; to be tightened.
@@ -88,3 +88,14 @@ def test_bad_deepstack_fails_alone(qwen3):
     for name, gen in zip(bad, out[1:-1], strict=True):
         assert gen.error is not None and gen.error.startswith("rejected before the engine"), name
     assert_same([out[0], out[-1]], hf.generate([batch[0], batch[-1]]))
+
+
+def test_a_window_with_deepstack_equals_the_transformers_engine(qwen3):
+    """Several images in one prompt (issue 34's windows): each image's embeddings and deepstack
+    maps in order, one grid row and one cache key each; the LLM takes a window (its image limit
+    is a count: worker.models.qwen3_vl.VLLM_MAX_IMAGES)."""
+    adapter, engine, hf = qwen3
+    visuals = encode(adapter, [random_image(w, h, seed=80 + i) for i, (w, h) in enumerate(SIZES[:3])])
+    keys = [f"q3-win-{i}" for i in range(3)]
+    requests = [window_request(adapter, visuals, keys), request(adapter, visuals[1], keys[1])]
+    assert_same(engine.generate(requests), hf.generate(requests))

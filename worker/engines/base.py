@@ -67,6 +67,15 @@ class EngineRequest:
         return self.visual if isinstance(self.visual, tuple) else (self.visual,)
 
     @property
+    def image_keys(self) -> tuple[str, ...]:
+        """Each image's own cache key, in prompt order: a window's `cache_key` is its images' keys
+        (hex digests) joined by "+" (worker.stages.generate.requests)."""
+        keys = tuple(self.cache_key.split("+"))
+        if len(keys) != len(self.images):
+            raise RequestRejected(f"cache key {self.cache_key!r} does not name {len(self.images)} image(s)")
+        return keys
+
+    @property
     def visual_tokens(self) -> int:
         return sum(image.num_tokens for image in self.images)
 
@@ -131,8 +140,6 @@ class StepEngine(ABC):
     # Feeds the cached tokens to vLLM (in process or a `vllm serve`): a family whose tokens vLLM
     # cannot take is refused (worker.engines.vllm_common.VLLMFedEngine.refuse_family).
     vllm_fed: ClassVar[bool] = False
-    # Takes several images in one request (a window of pages or frames, `--window`).
-    several_images: ClassVar[bool] = True
 
     @classmethod
     @abstractmethod

@@ -148,22 +148,28 @@ def encode_tensor(tensor: torch.Tensor) -> str:
     return base64.b64encode(buffer.getbuffer()).decode("ascii")
 
 
-def image_part(adapter: ModelAdapter, request: EngineRequest) -> dict[str, Any]:
-    """The `image_embeds` content part of one request's image (the adapter's vLLM inputs).
+def image_parts(adapter: ModelAdapter, request: EngineRequest) -> list[dict[str, Any]]:
+    """The `image_embeds` content parts of one request's images, one per image in prompt order
+    (vLLM's chat API takes several in one message: a window of pages or frames).
 
     Raises ValueError when the prompt and the visual tokens do not belong together.
     """
-    image = request.single_image("the openai engine")
-    prompt = adapter.vllm_prompt(request.prompt_ids, image, request.cache_key)
-    (uuid,) = prompt["multi_modal_uuids"]["image"]
-    fields: dict[str, Any] = {}
-    for name, value in prompt["multi_modal_data"]["image"].items():
-        if value.is_floating_point():
-            fields[name] = encode_tensor(value)
-        else:
-            # One image's layout ((1, 3) here): vLLM takes metadata as a flat JSON array per item.
-            fields[name] = [int(v) for v in value.reshape(-1).tolist()]
-    return {"type": "image_embeds", "image_embeds": fields, "uuid": uuid}
+    adapter.vllm_prompt(request.prompt_ids, request.images, request.image_keys)  # the same checks
+    return [
+        {"type": "image_embeds", "image_embeds": _embeds_fields(adapter.vllm_image_data(image)), "uuid": key}
+        for image, key in zip(request.images, request.image_keys, strict=True)
+    ]
+
+
+def _embeds_fields(data: torch.Tensor | dict[str, torch.Tensor]) -> str | dict[str, Any]:
+    """One image's embeddings as a content part carries them: tensors as base64 `.npy`, and
+    integer metadata (Qwen's (1, 3) grid) as a flat JSON array, as vLLM takes it per item."""
+    if isinstance(data, torch.Tensor):
+        return encode_tensor(data)
+    return {
+        name: encode_tensor(value) if value.is_floating_point() else value.reshape(-1).tolist()
+        for name, value in data.items()
+    }
 
 
 def server_message(response: httpx.Response) -> str:
@@ -329,7 +335,7 @@ class OpenAIEngine(VLLMFedEngine):
         # a follow-up turn's earlier answers as the assistant's turns, its question last.
         questions = [question for question, _ in request.history] + [request.prompt]
         # A text-only request (a source's summary) has no image part.
-        images = [image_part(self.adapter, request)] if request.images else []
+        images = image_parts(self.adapter, request) if request.images else []
         messages: list[dict[str, Any]] = [{"role": "user", "content": [*images, _text(questions[0])]}]
         for (_, answer), question in zip(request.history, questions[1:], strict=True):
             messages += [

@@ -104,7 +104,6 @@ class VLLMFedEngine(StepEngine):
     directly (tests, benchmarks), before anything starts."""
 
     vllm_fed = True
-    several_images = False  # one image per request today (docs/windows.md)
     # Whether visbatch's vLLM plugin is surely loaded where this engine's vLLM runs: in this
     # installation (the in-process engine) yes; a server started elsewhere may lack it.
     plugin_loaded = True

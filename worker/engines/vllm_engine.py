@@ -192,9 +192,8 @@ class VLLMEngine(VLLMFedEngine):
         self._reductions.check(request)
         try:
             self._check(request)
-            if request.images:
-                image = request.single_image("the vllm engine")
-                prompt = self.adapter.vllm_prompt(request.prompt_ids, image, request.cache_key)
+            if request.images:  # one image, or a window's in order
+                prompt = self.adapter.vllm_prompt(request.prompt_ids, request.images, request.image_keys)
             else:  # text only (a source's summary)
                 prompt = {"prompt_token_ids": list(request.prompt_ids)}
         except ValueError as exc:  # RequestRejected included

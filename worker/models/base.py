@@ -324,13 +324,71 @@ class ModelAdapter(ABC):
         per prompt, so vLLM does not even load the vision tower."""
         return {"limit_mm_per_prompt": {"image": 0, "video": 0}}
 
-    def vllm_prompt(self, prompt_ids: list[int], visual: VisualTokens, uuid: str) -> dict[str, Any]:
+    def vllm_prompt(
+        self, prompt_ids: list[int], images: Sequence[VisualTokens], uuids: Sequence[str]
+    ) -> dict[str, Any]:
         """The request as vLLM's `LLM.generate` takes it (a TokensPrompt dict), fed cached embeddings.
 
-        `prompt_ids` are ours (placeholders expanded); `uuid` names the image for vLLM's caches.
-        Raises ValueError when the prompt and the visual tokens do not belong together.
+        `prompt_ids` are ours, each image's placeholders expanded (one run per image, in order);
+        vLLM expands a single placeholder per image itself, from the embeddings. `uuids` name the
+        images for vLLM's caches (our cache keys: no tensor hashing, and a page asked several
+        prompts, or in overlapping windows, shares its cached KV blocks). Raises ValueError when
+        the prompt and the visual tokens do not belong together.
         """
-        raise NotImplementedError(f"{type(self).__name__} cannot build vLLM inputs: {self.vllm_unsupported}")
+        if self.vllm_unsupported:
+            raise NotImplementedError(
+                f"{type(self).__name__} cannot build vLLM inputs: {self.vllm_unsupported}"
+            )
+        if len(uuids) != len(images):
+            raise ValueError(f"{len(uuids)} cache keys for {len(images)} images")
+        return {
+            "prompt_token_ids": self.collapse_image_placeholders(prompt_ids, [v.num_tokens for v in images]),
+            "multi_modal_data": {"image": self.vllm_embeddings(images)},
+            "multi_modal_uuids": {"image": list(uuids)},
+        }
+
+    def collapse_image_placeholders(self, prompt_ids: list[int], counts: Sequence[int]) -> list[int]:
+        """Our prompt with each image's run of placeholder ids (`counts[i]` of them) collapsed to
+        ONE id (given an expanded run, vLLM would expand every id again). ValueError when the runs
+        and the counts disagree."""
+        at = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
+        if not at:
+            raise ValueError("prompt has no image placeholder")
+        runs: list[tuple[int, int]] = []  # (first, last) of each run
+        for i in at:
+            if runs and runs[-1][1] == i - 1:
+                runs[-1] = (runs[-1][0], i)
+            else:
+                runs.append((i, i))
+        found = [last - first + 1 for first, last in runs]
+        if found != list(counts):
+            raise ValueError(
+                f"prompt has image placeholder runs of {found} ids, the visual tokens are {list(counts)}"
+            )
+        out: list[int] = []
+        at_id = 0
+        for first, last in runs:
+            start, end = self.vllm_image_span(prompt_ids, first, last)
+            out += prompt_ids[at_id:start] + [self.image_token_id]
+            at_id = end + 1
+        return out + prompt_ids[at_id:]
+
+    def vllm_image_span(self, prompt_ids: list[int], first: int, last: int) -> tuple[int, int]:
+        """The ids vLLM writes itself for the placeholder run `first..last` (inclusive): the run
+        (Qwen, LLaVA-OneVision); InternVL's wraps it in its own start and end tags."""
+        return first, last
+
+    def vllm_image_data(self, visual: VisualTokens) -> Any:
+        """One image's embeddings as vLLM takes them (a content part of `vllm serve` too): the
+        (tokens, hidden) tensor; Qwen adds its grid."""
+        return visual.embeds
+
+    def vllm_embeddings(self, images: Sequence[VisualTokens]) -> Any:
+        """The request's images as vLLM's `multi_modal_data["image"]`: one (1, tokens, hidden)
+        tensor for one image, a list of (tokens, hidden) tensors (one item each) for several."""
+        if len(images) == 1:
+            return self.vllm_image_data(images[0]).unsqueeze(0)
+        return [self.vllm_image_data(v) for v in images]
 
     def decode_tokens(self, data: bytes, fingerprint: str | None = None) -> VisualTokens:
         """A serialized cache entry, checked against this model (InvalidVisualTokens otherwise)."""

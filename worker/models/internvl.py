@@ -146,39 +146,17 @@ class InternVLAdapter(TiledImageAdapter):
         tiles = 0 if visual is None else DynamicTileRule.slots(int(visual.grid_thw.view(-1)[1:].prod()))
         return self.processor.replace_image_token({"num_patches": [tiles]}, 0)
 
-    # --- vLLM (refused: see the module docstring; kept for when vLLM takes varying sizes) ------
+    # --- vLLM (through visbatch's plugin: worker.engines.vllm_models) --------------------------
 
-    def collapse_image_placeholders(self, prompt_ids: list[int], num_visual_tokens: int) -> list[int]:
-        """Our prompt with `<img>`, its run of `<IMG_CONTEXT>` ids and `</img>` collapsed to ONE
-        `<IMG_CONTEXT>`: vLLM's processor expands that id to the whole wrapped run itself (from the
-        embeddings' length); given our expanded run it would expand every id again."""
+    def vllm_image_span(self, prompt_ids: list[int], first: int, last: int) -> tuple[int, int]:
+        """`<img>`, the run of `<IMG_CONTEXT>` ids and `</img>`: vLLM's processor expands ONE
+        `<IMG_CONTEXT>` to the whole wrapped run itself (from the embeddings' length)."""
         processor = self.processor
-        start, end = processor.start_image_token_id, processor.end_image_token_id
-        positions = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
-        if not positions:
-            raise ValueError("prompt has no image placeholder")
-        first, last = positions[0], positions[-1]
-        if last - first + 1 != len(positions):
-            raise ValueError("prompt has more than one run of image placeholders")
-        if len(positions) != num_visual_tokens:
-            raise ValueError(
-                f"prompt has {len(positions)} image placeholders, the visual tokens are {num_visual_tokens}"
-            )
         if (
             first < 1
-            or prompt_ids[first - 1] != start
+            or prompt_ids[first - 1] != processor.start_image_token_id
             or last + 1 >= len(prompt_ids)
-            or prompt_ids[last + 1] != end
+            or prompt_ids[last + 1] != processor.end_image_token_id
         ):
             raise ValueError("the image placeholders are not wrapped in <img> ... </img>")
-        return prompt_ids[: first - 1] + [self.image_token_id] + prompt_ids[last + 2 :]
-
-    def vllm_prompt(self, prompt_ids: list[int], visual: VisualTokens, uuid: str) -> dict[str, Any]:
-        return {
-            "prompt_token_ids": self.collapse_image_placeholders(prompt_ids, visual.num_tokens),
-            # Embeddings alone, one image: (1, tokens, hidden). The tile layout is ours only (vLLM
-            # needs the count, which the tensor carries).
-            "multi_modal_data": {"image": visual.embeds.unsqueeze(0)},
-            # Our cache key stands for the image in vLLM's prefix cache (no tensor hashing).
-            "multi_modal_uuids": {"image": [uuid]},
-        }
+        return first - 1, last + 1

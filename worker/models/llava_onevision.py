@@ -29,20 +29,13 @@ checks it from pixels). A frame cached that way is also shared with the same ima
 else. The cost: never less than one tile and the base view, e.g. 1,317 tokens for a 320x240
 frame on the released models (384-px tiles), where their video path spends 196 per frame.
 
-**vLLM** (0.32) is not used for it, though it nearly works. Its LlavaOnevision accepts
-``image_embeds`` of shape (features, LM width) per image, puts them in unchanged and expands the
-prompt's one ``<image>`` to the tensor's length (``vllm_prompt`` below builds exactly that), and
-then generates the transformers engine's tokens (tried on the tiny model, in embeddings-only mode:
-four 448x448 pages in one batch, then a 700x300 one: token for token equal). But it declares
-that input as ONE tensor per encoder batch (``LlavaOnevisionImageEmbeddingInputs``:
-``TensorShape("bn", "ifs", "hs")``, the feature size not dynamic), and its scheduler batches the
-images of every request that starts in the same step: two images of different token counts (a
-448x448 and a 97x1500 page) fail with "ValueError: data contains inconsistent shapes:
-torch.Size([469, 128]) (index 0) vs torch.Size([217, 128]) (index 1)" inside the engine core,
-which kills the engine (EngineDeadError) for every request in flight; a server would die the
-same way on two clients' pages. Token counts vary with every page size here, so ``vllm`` (and
-``openai``) are refused at job start with that reason and ``auto`` picks transformers
-(``tests/vllm/test_engine_choice.py`` checks the refusal and that vLLM still declares that shape).
+**vLLM** (0.32) takes ``image_embeds`` of shape (features, LM width) per image, puts them in
+unchanged and expands the prompt's one ``<image>`` to the tensor's length
+(``ModelAdapter.vllm_prompt`` builds exactly that), and generates the transformers engine's
+tokens. Its own class declares that input as ONE tensor per encoder batch, so two images of
+different token counts in one step killed its engine ("data contains inconsistent shapes");
+visbatch's vLLM plugin (``worker.engines.vllm_models``) relaxes that one declaration
+(``tests/vllm/test_vllm_plugin_families.py``).
 """
 
 from __future__ import annotations
@@ -189,30 +182,6 @@ class LlavaOnevisionAdapter(ModelAdapter):
     def image_text(self, visual: VisualTokens | None) -> str:
         # The processor's expansion of one image: its <image> repeated once per visual token.
         return self.image_placeholder * (0 if visual is None else visual.num_tokens)
-
-    # --- vLLM ------------------------------------------------------------------------------
-
-    def collapse_image_placeholders(self, prompt_ids: list[int], num_visual_tokens: int) -> list[int]:
-        """Our prompt with its run of ``<image>`` ids collapsed back to ONE (vLLM expands it to
-        the embeddings' length itself); ValueError when the run and the tokens disagree."""
-        at = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
-        if not at:
-            raise ValueError("prompt has no image placeholder")
-        if at[-1] - at[0] + 1 != len(at):
-            raise ValueError("prompt has more than one run of image placeholders")
-        if len(at) != num_visual_tokens:
-            raise ValueError(
-                f"prompt has {len(at)} image placeholders, the visual tokens are {num_visual_tokens}"
-            )
-        return prompt_ids[: at[0] + 1] + prompt_ids[at[-1] + 1 :]
-
-    def vllm_prompt(self, prompt_ids: list[int], visual: VisualTokens, uuid: str) -> dict[str, Any]:
-        return {
-            "prompt_token_ids": self.collapse_image_placeholders(prompt_ids, visual.num_tokens),
-            # One image's packed embeddings, (1, tokens, width): vLLM's embeddings input for it.
-            "multi_modal_data": {"image": visual.embeds.unsqueeze(0)},
-            "multi_modal_uuids": {"image": [uuid]},
-        }
 
     def token_rows(self, visual: VisualTokens) -> list[int]:
         """The base view's rows, then each map row and, alone, its newline (a row of 1 never merges)."""

@@ -6,6 +6,7 @@ the language model places them with M-RoPE, computed by the model's own `get_rop
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
@@ -136,33 +137,15 @@ class Qwen2VLAdapter(ModelAdapter):
         )
         return positions
 
-    def collapse_image_placeholders(self, prompt_ids: list[int], num_visual_tokens: int) -> list[int]:
-        """Our prompt with its run of `<|image_pad|>` ids collapsed back to ONE id.
+    def vllm_image_data(self, visual: VisualTokens) -> dict[str, torch.Tensor]:
+        # Embeddings-only input: 2-D merged embeddings + the (1, 3) grid that sizes the run.
+        return {"image_embeds": visual.embeds, "image_grid_thw": visual.grid_thw}
 
-        vLLM's Qwen2-VL processor replaces each single placeholder with grid/merge² of them
-        itself (from image_grid_thw); given an expanded run it would expand every id again.
-        """
-        positions = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
-        if not positions:
-            raise ValueError("prompt has no image placeholder")
-        first, last = positions[0], positions[-1]
-        if last - first + 1 != len(positions):
-            raise ValueError("prompt has more than one run of image placeholders")
-        if len(positions) != num_visual_tokens:
-            raise ValueError(
-                f"prompt has {len(positions)} image placeholders, the visual tokens are {num_visual_tokens}"
-            )
-        return prompt_ids[: first + 1] + prompt_ids[last + 1 :]
-
-    def vllm_prompt(self, prompt_ids: list[int], visual: VisualTokens, uuid: str) -> dict[str, Any]:
-        return {
-            "prompt_token_ids": self.collapse_image_placeholders(prompt_ids, visual.num_tokens),
-            # Embeddings-only input: 2-D merged embeddings + the (n, 3) grid that sizes the run.
-            "multi_modal_data": {"image": {"image_embeds": visual.embeds, "image_grid_thw": visual.grid_thw}},
-            # Our cache key stands for the image in vLLM's prefix cache: no tensor hashing, and the
-            # same page asked several prompts (or by several jobs) shares its cached KV blocks.
-            "multi_modal_uuids": {"image": [uuid]},
-        }
+    def vllm_embeddings(self, images: Sequence[VisualTokens]) -> dict[str, torch.Tensor]:
+        # Several images: their embeddings end to end and one grid row each (vLLM splits the
+        # embeddings by the grids' sizes, in order).
+        data = [self.vllm_image_data(v) for v in images]
+        return {name: torch.cat([d[name] for d in data]) for name in data[0]}
 
 
 class Qwen25VLAdapter(Qwen2VLAdapter):

@@ -34,6 +34,9 @@ from worker.models.qwen2_vl import Qwen2VLAdapter
 from worker.tokens.tensors import TokenSpec, VisualTokens
 
 DEEPSTACK = "deepstack"
+# The most images in one prompt vLLM takes for this family (vllm_llm_options); vLLM's own
+# default for a modality it is not told about.
+VLLM_MAX_IMAGES = 999
 
 
 class Qwen3VLAdapter(Qwen2VLAdapter):
@@ -98,15 +101,16 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
 
     def vllm_llm_options(self) -> dict[str, Any]:
         # The tower module must exist for vLLM to apply deepstack (module docstring); it is never
-        # run: every request brings embeddings. Videos stay off (visbatch sends frames as images).
-        return {"limit_mm_per_prompt": {"image": 1, "video": 0}}
+        # run: every request brings embeddings. An image limit over 0 is also a count vLLM checks
+        # (embeddings included): a window of up to this many pages or frames per prompt. Videos
+        # stay off (visbatch sends frames as images).
+        return {"limit_mm_per_prompt": {"image": VLLM_MAX_IMAGES, "video": 0}}
 
-    def vllm_prompt(self, prompt_ids: list[int], visual: VisualTokens, uuid: str) -> dict[str, Any]:
-        prompt = super().vllm_prompt(prompt_ids, visual, uuid)
+    def vllm_image_data(self, visual: VisualTokens) -> dict[str, torch.Tensor]:
+        data = super().vllm_image_data(visual)
         # vLLM's Qwen3-VL splits [main | deepstack 1 | deepstack 2 ...] back along the hidden axis.
-        stacked = torch.cat([visual.embeds, *visual.extras[DEEPSTACK]], dim=-1)
-        prompt["multi_modal_data"]["image"]["image_embeds"] = stacked
-        return prompt
+        data["image_embeds"] = torch.cat([visual.embeds, *visual.extras[DEEPSTACK]], dim=-1)
+        return data
 
 
 class Qwen3VLMoeAdapter(Qwen3VLAdapter):

@@ -13,7 +13,6 @@ from worker.errors import UserError
 from worker.stages.needs import StartNeeds
 
 if TYPE_CHECKING:
-    from worker.engines.base import StepEngine
     from worker.models.base import ModelAdapter
 
 
@@ -54,23 +53,18 @@ def start_job(
     ]
 
 
-def refuse_unfit_engine(spec: JobSpec, engine: type[StepEngine], adapter: ModelAdapter) -> None:
+def refuse_unfit_family(spec: JobSpec, adapter: ModelAdapter) -> None:
     """A job whose windows hold several images is refused before it starts (UserError: exit 2)
-    where the engine or the model family takes one image per request: every window would fail."""
+    where the model family cannot take several cached images in one prompt: every window would
+    fail. (Every engine takes several images in one request.)"""
     plan = spec.window_plan()
-    if plan is None or plan.size == 1:
+    if plan is None or plan.size == 1 or not adapter.several_images_unsupported:
         return
-    if not engine.several_images:
-        raise UserError(
-            f"--window {spec.window}: the {engine.name} engine takes one image per request",
-            "run windows on the transformers engine (VISBATCH_ENGINE=transformers), or leave out --window",
-        )
-    if adapter.several_images_unsupported:
-        raise UserError(
-            f"--window {spec.window}: {adapter.family} cannot take several cached images in one prompt: "
-            f"{adapter.several_images_unsupported}",
-            "use another model family for windows (docs/windows.md), or leave out --window",
-        )
+    raise UserError(
+        f"--window {spec.window}: {adapter.family} cannot take several cached images in one prompt: "
+        f"{adapter.several_images_unsupported}",
+        "use another model family for windows (docs/windows.md), or leave out --window",
+    )
 
 
 def refuse_misfit_window(spec: JobSpec, paths: list[Path], model: str, settings: Settings) -> None:
