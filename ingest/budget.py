@@ -136,6 +136,13 @@ class VisualBudget(BaseModel):
         description="transformers engine: share of each image's visual tokens left after merging "
         "similar neighbours (before pruning).",
     )
+    drop_static: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Windows, transformers engine: drop a frame's visual tokens that changed by less "
+        "than this (relative L2) since the window last showed their position; 0 = off.",
+    )
 
     @model_validator(mode="after")
     def _ordered_bounds(self) -> VisualBudget:

@@ -78,9 +78,9 @@ def test_merged_tokens_keep_m_rope_consistent_positions(family_adapter):
     fed = reduced.inputs["mm_encoder_outputs"]["image"]
     per_image = fed.pooler_output  # per image, or (Idefics3) one tensor for the batch
     if isinstance(per_image, torch.Tensor):
-        per_image = torch.split(per_image, [len(p.kept) for p in reduced.plans])
+        per_image = torch.split(per_image, [len(p.kept) for (p,) in reduced.plans])
     for row, (visual, keep) in enumerate(zip(visuals, keeps, strict=True)):
-        plan = reduced.plans[row]
+        plan = reduced.plans[row][0]
         floor = len(adapter.token_rows(visual))
         assert len(plan.kept) == max(kept_count(visual.num_tokens, keep), min(floor, visual.num_tokens))
         assert reduced.merged[row] == visual.num_tokens - len(plan.kept) and reduced.pruned[row] == 0
@@ -129,7 +129,7 @@ def test_merged_decode_continues_and_keep_one_is_the_plain_path(family_adapter):
     for step in range(1, len(steps)):
         assert torch.equal(as_rows(full_steps[step])[-rows:, :, -1], as_rows(steps[step])[-rows:, :, -1])
     again = reduce_batch(adapter, plain_inputs, visuals, [1.0] * 3, [0.5] * 3)
-    assert [p.kept.tolist() for p in again.plans] == [p.kept.tolist() for p in merged.plans]
+    assert [p.kept.tolist() for (p,) in again.plans] == [p.kept.tolist() for (p,) in merged.plans]
 
 
 @pytest.mark.slow

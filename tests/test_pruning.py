@@ -90,7 +90,7 @@ def test_kept_tokens_keep_their_positions(family_adapter):
         norms = visual.embeds.float().norm(dim=-1)
         others = [i for i in range(visual.num_tokens) if i not in set(chosen.tolist())]
         assert norms[chosen].min() >= norms[others].max()
-        assert torch.equal(reduced.plans[row].kept, chosen)
+        assert torch.equal(reduced.plans[row][0].kept, chosen)
     fed = pruned["mm_encoder_outputs"]["image"].pooler_output
     fed = fed if isinstance(fed, torch.Tensor) else torch.cat(fed)
     assert fed.shape[0] == sum(kept_count(v.num_tokens, k) for v, k in zip(visuals, keeps, strict=True))

@@ -175,6 +175,14 @@ BUDGET_OPTIONS: tuple[Opt, ...] = (
         "transformers engine: merge the most similar neighbouring visual tokens (averaging) until "
         "this share of each image's tokens is left (1 = off); before --prune-keep.",
     ),
+    Opt(
+        "drop_static",
+        float,
+        0.0,
+        "D",
+        "With --window, transformers engine: leave out a frame's visual tokens that changed by less "
+        "than D (relative, e.g. 0.1) since the window last showed them; positions kept (0 = off).",
+    ),
 )
 
 # Where the job's visual tokens are kept (ingest.spec.CachePolicy; docs/scale.md).

@@ -49,6 +49,9 @@ class EngineRequest:
     prune_keep: float = 1.0
     # Share of the image's visual tokens left after merging similar neighbours (transformers engine).
     merge_keep: float = 1.0
+    # A window of frames: drop a frame's tokens that changed by less than this (relative L2) since
+    # the window last showed their position (transformers engine; 0 = off).
+    drop_static: float = 0.0
     # The user's prompt text that `prompt_ids` were built from. An engine that cannot send token ids
     # (the openai engine: vLLM's chat API takes embeddings only in messages) sends it instead and
     # checks that the server's rendering gives back `prompt_ids` exactly.

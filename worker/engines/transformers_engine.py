@@ -172,10 +172,19 @@ class TransformersEngine(StepEngine):
         if not any(r.images for r in requests):  # text only: no embeddings to place
             input_ids, attention = adapter.left_padded(prompts)
             inputs: dict = {"input_ids": input_ids, "attention_mask": attention}
-        elif any(keep < 1.0 for keep in prune_keeps + merge_keeps):  # positions kept: worker.tokens.reduction
-            visuals = [r.single_image("pruning and merging") for r in requests]
+        elif any(keep < 1.0 for keep in prune_keeps + merge_keeps) or any(
+            r.drop_static > 0 and len(r.images) > 1 for r in requests
+        ):  # positions kept: worker.tokens.reduction
+            # A window's frames (their static patches dropped, or none); pruning and merging
+            # take one image per request.
+            visuals = [
+                r.images
+                if len(r.images) > 1 and min(r.prune_keep, r.merge_keep) >= 1.0
+                else r.single_image("pruning and merging")
+                for r in requests
+            ]
             inputs, pruned, merged = adapter.reduced_generation_inputs(
-                prompts, visuals, prune_keeps, merge_keeps
+                prompts, visuals, prune_keeps, merge_keeps, [r.drop_static for r in requests]
             )
         else:
             # Every image of the batch in order, row by row: each family places them over its

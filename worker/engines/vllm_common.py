@@ -68,9 +68,10 @@ def completion_ids(token_ids: Iterable[int], finish_reason: str, eos: frozenset[
 
 
 class ReductionWarnings:
-    """Warns once per engine that pruning / merging are ignored: vLLM expands each image
-    placeholder to the grid's token count and computes the positions itself, so it cannot take
-    fewer embeddings than the grid implies. Such requests run in full (pruned/merged_tokens=0)."""
+    """Warns once per engine that pruning / merging / static-patch dropping are ignored: vLLM
+    expands each image placeholder to the grid's token count and computes the positions itself,
+    so it cannot take fewer embeddings than the grid implies. Such requests run in full
+    (pruned/merged_tokens=0)."""
 
     def __init__(self, engine_label: str, logger: logging.Logger) -> None:
         self.engine_label = engine_label
@@ -78,17 +79,19 @@ class ReductionWarnings:
         self._warned: set[str] = set()
 
     def check(self, request: EngineRequest) -> None:
-        for what, keep, verb in (
-            ("pruning", request.prune_keep, "prune"),
-            ("merging", request.merge_keep, "merge"),
-        ):
-            if keep < 1.0 and what not in self._warned:
+        for what, active, setting, verb in (
+            ("pruning", request.prune_keep < 1.0, f"prune_keep={request.prune_keep:g}", "prune"),
+            ("merging", request.merge_keep < 1.0, f"merge_keep={request.merge_keep:g}", "merge"),
+            ("static-patch dropping", request.drop_static > 0, f"drop_static={request.drop_static:g}",
+             "drop a window's static patches"),
+        ):  # fmt: skip
+            if active and what not in self._warned:
                 self._warned.add(what)
                 self.log.warning(
-                    "visual-token %s (%s_keep=%g) is ignored by the %s: vLLM sizes each image from "
+                    "visual-token %s (%s) is ignored by the %s: vLLM sizes each image from "
                     "its grid and cannot take fewer tokens; use --detail or --max-pixels to spend "
                     "fewer tokens, or VISBATCH_ENGINE=transformers to %s",
-                    what, verb, keep, self.engine_label, verb,
+                    what, setting, self.engine_label, verb,
                 )  # fmt: skip
 
 

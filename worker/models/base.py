@@ -305,18 +305,21 @@ class ModelAdapter(ABC):
     def reduced_generation_inputs(
         self,
         prompts: list[list[int]],
-        visuals: list[VisualTokens],
+        visuals: list[VisualTokens | tuple[VisualTokens, ...]],
         prune_keeps: list[float],
         merge_keeps: list[float],
+        drop_statics: list[float] | None = None,
     ) -> tuple[dict[str, Any], list[int], list[int]]:
         """Like `generation_inputs`, each row's image merged to `merge_keeps[row]` of its tokens
-        and then pruned to `prune_keeps[row]` of what is left (worker.tokens.reduction); every
-        token that stays keeps its original position. Also returns the tokens pruned and merged
-        away per row."""
+        and then pruned to `prune_keeps[row]` of what is left, or a row's window of frames without
+        its static patches (`drop_statics[row]`) (worker.tokens.reduction); every token that stays
+        keeps its original position. Also returns the tokens pruned (or dropped as static) and
+        merged away per row."""
         from worker.tokens.reduction import reduce_inputs
 
+        flat = [image for row in visuals for image in (row if isinstance(row, tuple) else (row,))]
         return reduce_inputs(
-            self, self.generation_inputs(prompts, visuals), visuals, prune_keeps, merge_keeps
+            self, self.generation_inputs(prompts, flat), visuals, prune_keeps, merge_keeps, drop_statics
         )
 
     def vllm_llm_options(self) -> dict[str, Any]:

@@ -317,6 +317,8 @@ def _budget_value(key: str, value: Any) -> str:
         return f"keep {value:.0%}"
     if key == "redundancy_threshold":
         return f"a mean RGB difference under {value:g} (of 255)"
+    if key == "drop_static":
+        return "keep all (off)" if not value else f"changed by under {value:g} (relative)"
     return "not set" if value is None else str(value)
 
 
@@ -330,6 +332,7 @@ _BUDGET_LABELS = {
     "redundancy_threshold": "a frame repeats the last kept one at",
     "prune_keep": "pruning",
     "merge_keep": "merging",
+    "drop_static": "a window's static patches left out when",
 }
 
 

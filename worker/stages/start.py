@@ -74,6 +74,12 @@ def refuse_misfit_window(spec: JobSpec, paths: list[Path], model: str, settings:
     planner's count: worker.planning). An input read elsewhere
     (s3://, a drop folder) is refused by its own source instead, at ingest."""
     plan = spec.window_plan()
+    if spec.budget.drop_static > 0 and (plan is None or plan.size == 1):
+        raise UserError(
+            f"--drop-static {spec.budget.drop_static:g}: it drops what did not change between the "
+            "frames of a window, and this job has no window of several units",
+            "add --window (e.g. --window 10s) or leave out --drop-static",
+        )
     if plan is None:
         return
     if plan.size != 1 and (spec.budget.prune_keep < 1.0 or spec.budget.merge_keep < 1.0):

@@ -6,6 +6,12 @@ something), then the merged tokens are pruned to ``prune_keep`` of them (by the 
 they now carry). Either fraction at 1 leaves that step out. The result is a ``ReductionPlan``:
 which tokens' columns stay, and which original tokens each one averages.
 
+Static patches (``drop_static`` > 0, a window of frames): a frame's token is dropped when it
+differs from what the window last showed at the same grid position (the previous frames' latest
+kept token there) by less than ``drop_static``, relative L2 (``plan_static``); the window's
+first frame, and a frame of another grid than the one before, are kept whole. Dropped tokens
+count as pruned.
+
 The batch is then rebuilt, family-neutrally, from what the adapter says:
 
 1. positions of the full batch from ``adapter.prompt_positions`` (Qwen: the model's own M-RoPE
@@ -104,52 +110,92 @@ def plan_reduction(
     )
 
 
+def plan_static(frames: list[torch.Tensor], drop_static: float) -> list[ReductionPlan]:
+    """A window's frames (each (tokens, hidden), in order), each token kept only where it changed
+    by `drop_static` or more (relative L2) since the window last showed that grid position; at
+    least one token of a frame is kept (its most changed), so every frame stays in the prompt.
+    A frame whose token count differs from the one before starts over (kept whole)."""
+    plans: list[ReductionPlan] = []
+    shown: torch.Tensor | None = None  # per position, the latest token the window showed
+    for frame in frames:
+        n = int(frame.shape[0])
+        current = frame.detach().float().cpu()
+        if shown is None or shown.shape != current.shape:
+            changed = torch.ones(n, dtype=torch.bool)
+            shown = current.clone()
+        else:
+            change = (current - shown).norm(dim=1) / shown.norm(dim=1).clamp(min=1e-6)
+            changed = change >= drop_static
+            if not bool(changed.any()):
+                changed[int(change.argmax())] = True
+            shown[changed] = current[changed]
+        kept = changed.nonzero().flatten()
+        group = torch.full((n,), -1, dtype=torch.long)
+        group[kept] = torch.arange(len(kept))
+        plans.append(ReductionPlan(num_tokens=n, kept=kept, group=group, merged=0, pruned=n - len(kept)))
+    return plans
+
+
 @dataclass(frozen=True)
 class ReducedBatch:
     inputs: dict[str, Any]
-    plans: list[ReductionPlan]
+    plans: list[list[ReductionPlan]]  # per row, one per image in prompt order
     columns: list[torch.Tensor]  # per row: the FULL batch's columns that stay (tests compare positions)
     full_positions: torch.Tensor  # (rows, batch, length) of the full batch
 
     @property
     def pruned(self) -> list[int]:
-        return [p.pruned for p in self.plans]
+        return [sum(p.pruned for p in row) for row in self.plans]
 
     @property
     def merged(self) -> list[int]:
-        return [p.merged for p in self.plans]
+        return [sum(p.merged for p in row) for row in self.plans]
 
 
 def reduce_batch(
     adapter: ReducibleModel,
     inputs: dict[str, Any],
-    visuals: list[VisualTokens],
+    visuals: list[VisualTokens | tuple[VisualTokens, ...]],
     prune_keeps: list[float],
     merge_keeps: list[float],
+    drop_statics: list[float] | None = None,
 ) -> ReducedBatch:
-    """The adapter's full generation inputs (left-padded, one image per row), each row's image
-    merged and pruned; positions given explicitly."""
+    """The adapter's full generation inputs (left-padded), each row's image merged and pruned, or
+    a row's window of frames without its static patches (`drop_statics`); positions given
+    explicitly."""
     positions = adapter.prompt_positions(inputs)
     input_ids, attention = inputs["input_ids"], inputs["attention_mask"]
     device = input_ids.device
-    plans: list[ReductionPlan] = []
+    plans: list[list[ReductionPlan]] = []
     columns: list[torch.Tensor] = []
     embeds: list[torch.Tensor] = []
     extras: list[dict[str, torch.Tensor]] = []
-    rows = zip(visuals, prune_keeps, merge_keeps, strict=True)
-    for row, (visual, prune_keep, merge_keep) in enumerate(rows):
+    statics = drop_statics or [0.0] * len(visuals)
+    rows = zip(visuals, prune_keeps, merge_keeps, statics, strict=True)
+    for row, (shown, prune_keep, merge_keep, drop_static) in enumerate(rows):
+        images = shown if isinstance(shown, tuple) else (shown,)
         image_cols = (input_ids[row] == adapter.image_token_id).nonzero().flatten().cpu()
-        if len(image_cols) != visual.num_tokens:
-            raise ValueError(f"row {row}: {len(image_cols)} image placeholders, {visual.num_tokens} tokens")
-        plan = plan_reduction(visual.embeds, adapter.token_rows(visual), prune_keep, merge_keep)
-        dropped = torch.ones(visual.num_tokens, dtype=torch.bool)
-        dropped[plan.kept] = False
+        if len(image_cols) != sum(v.num_tokens for v in images):
+            total = sum(v.num_tokens for v in images)
+            raise ValueError(f"row {row}: {len(image_cols)} image placeholders, {total} tokens")
+        if len(images) == 1:
+            visual = images[0]
+            row_plans = [plan_reduction(visual.embeds, adapter.token_rows(visual), prune_keep, merge_keep)]
+        elif prune_keep < 1.0 or merge_keep < 1.0:
+            raise ValueError(f"row {row}: {len(images)} images: pruning and merging take one per request")
+        else:  # a window: its static patches dropped (none at drop_static 0)
+            row_plans = plan_static([v.embeds for v in images], drop_static)
         keep_col = attention[row].bool().cpu().clone()
-        keep_col[image_cols[dropped]] = False
+        at = 0
+        for visual, plan in zip(images, row_plans, strict=True):
+            dropped = torch.ones(visual.num_tokens, dtype=torch.bool)
+            dropped[plan.kept] = False
+            keep_col[image_cols[at : at + visual.num_tokens][dropped]] = False
+            at += visual.num_tokens
+            embeds.append(plan.apply(visual.embeds.to(adapter.dtype)))
+            extras.append({name: plan.apply(t.to(adapter.dtype), dim=1) for name, t in visual.extras.items()})
         columns.append(keep_col.nonzero().flatten())
-        embeds.append(plan.apply(visual.embeds.to(adapter.dtype)))
-        extras.append({name: plan.apply(t.to(adapter.dtype), dim=1) for name, t in visual.extras.items()})
-        plans.append(plan)
+        plans.append(row_plans)
     width = max(len(c) for c in columns)
     batch = len(visuals)
     per_column = {"input_ids": input_ids, **{k: inputs[k] for k in adapter.column_inputs}}
@@ -181,10 +227,11 @@ def reduce_batch(
 def reduce_inputs(
     adapter: ReducibleModel,
     inputs: dict[str, Any],
-    visuals: list[VisualTokens],
+    visuals: list[VisualTokens | tuple[VisualTokens, ...]],
     prune_keeps: list[float],
     merge_keeps: list[float],
+    drop_statics: list[float] | None = None,
 ) -> tuple[dict[str, Any], list[int], list[int]]:
-    """(inputs, tokens pruned per row, tokens merged away per row)."""
-    reduced = reduce_batch(adapter, inputs, visuals, prune_keeps, merge_keeps)
+    """(inputs, tokens pruned per row (static patches included), tokens merged away per row)."""
+    reduced = reduce_batch(adapter, inputs, visuals, prune_keeps, merge_keeps, drop_statics)
     return reduced.inputs, reduced.pruned, reduced.merged

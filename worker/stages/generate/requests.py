@@ -162,6 +162,7 @@ class RequestBuilder:
             json_schema=spec.json_schema,
             prune_keep=spec.budget.prune_keep,
             merge_keep=spec.budget.merge_keep,
+            drop_static=spec.budget.drop_static,
             prompt=text,
             history=history,
         )
