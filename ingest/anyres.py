@@ -80,6 +80,11 @@ def unpadded_map(height: int, width: int, rows: int, cols: int, max_tiles: int, 
 class AnyResRule(TokenRule):
     """LLaVA-OneVision: AnyRes tiles + a base view + image_newline per row (module docstring)."""
 
+    several_images_unsupported = (
+        "its processor gives each image of a several-image prompt one view padded to a square, "
+        "which the cache entry (AnyRes tiles) does not hold"
+    )
+
     family: str
     tile: int  # px per side of one tile (the image processor's size)
     side: int  # features per tile side (the tower's image_size / patch_size)

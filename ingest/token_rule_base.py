@@ -8,6 +8,7 @@ Callers import both names from ingest.token_rules, as before.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 from ingest.budget import PixelBounds, TokenGeometry
 
@@ -20,6 +21,9 @@ class TokenRule(ABC):
     """One model's token rule: how many visual tokens an image becomes, without weights."""
 
     family: str
+    # Why the family's cached tokens cannot make a prompt of several images (a window of pages or
+    # frames), or None: they can. Read by the job check before anything runs, without weights.
+    several_images_unsupported: ClassVar[str | None] = None
 
     @property
     @abstractmethod

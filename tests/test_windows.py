@@ -337,19 +337,24 @@ def test_a_window_over_the_models_context_is_refused_by_plan_and_run(tiny_model_
     assert "visual_to_lm" in CliRunner().invoke(app, ["plan", *args[:-1], "4", "--json"]).output
 
 
-def test_windows_of_a_family_that_takes_one_image_per_prompt_are_refused_up_front() -> None:
+def test_windows_of_a_family_that_takes_one_image_per_prompt_are_refused_up_front(
+    family_model_dir, tiny_model_dir, tmp_path
+) -> None:
     """LLaVA-OneVision's cache entries take one image per prompt: a job of windows is refused
-    before it starts (every window would fail). Every engine takes several images."""
+    before it starts, by both drivers (every window would fail), read from its files alone.
+    Every engine takes several images."""
+    from ingest.anyres import AnyResRule
+    from visbatch.settings import Settings
     from worker.errors import UserError
-    from worker.models.llava_onevision import LlavaOnevisionAdapter
-    from worker.models.qwen2_vl import Qwen2VLAdapter
-    from worker.stages.start import refuse_unfit_family
+    from worker.stages.start import refuse_misfit_window
 
-    spec = JobSpec(prompts=["q"], window="2")
+    pdf = _inputs(tmp_path, pages=2) / "doc.pdf"
+    llava, settings = str(family_model_dir("llava_onevision")), Settings(home=tmp_path / "home")
     with pytest.raises(UserError, match="llava_onevision cannot take several cached images in one prompt"):
-        refuse_unfit_family(spec, LlavaOnevisionAdapter)
-    refuse_unfit_family(spec, Qwen2VLAdapter)
-    refuse_unfit_family(JobSpec(prompts=["q"], window="1"), LlavaOnevisionAdapter)
+        refuse_misfit_window(JobSpec(prompts=["q"], window="2"), [pdf], llava, settings)
+    assert "padded to a square" in (AnyResRule.several_images_unsupported or "")
+    refuse_misfit_window(JobSpec(prompts=["q"], window="1"), [pdf], llava, settings)
+    refuse_misfit_window(JobSpec(prompts=["q"], window="2"), [pdf], str(tiny_model_dir), settings)
 
 
 @pytest.mark.slow

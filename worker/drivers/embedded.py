@@ -47,7 +47,6 @@ from worker.stages.start import (
     SourceInput,
     SourceToIngest,
     refuse_misfit_window,
-    refuse_unfit_family,
     reopen_job,
     start_job,
 )
@@ -97,8 +96,6 @@ def local_inputs(paths: list[Path]) -> list[SourceInput]:
 def start_local_job(rt: Runtime, paths: list[Path], spec: JobSpec) -> tuple[str, list[SourceToIngest]]:
     files = expand_paths(paths)
     refuse_misfit_window(spec, files, rt.model_name, rt.settings)
-    if spec.window is not None:  # the adapter's class: no weights load here
-        refuse_unfit_family(spec, rt.adapter)
     return start_job(rt, spec, local_inputs(files))
 
 

@@ -59,8 +59,6 @@ class ModelAdapter(ABC):
     # vLLM takes this family's cached tokens only with visbatch's plugin loaded in it
     # (worker/engines/vllm_models.py): certain in process, not in a server started elsewhere.
     vllm_needs_plugin: bool = False
-    # Why one prompt cannot hold several images from the cache (a window, `--window`); None: it can.
-    several_images_unsupported: str | None = None
 
     def __init__(self, ref: ModelRef) -> None:
         self.ref = ref
@@ -72,6 +70,12 @@ class ModelAdapter(ABC):
     @property
     def token_rule(self) -> TokenRule:
         return load_token_rule(self.ref.source, self.ref.revision)
+
+    @property
+    def several_images_unsupported(self) -> str | None:
+        """Why one prompt cannot hold several images from the cache (a window, `--window`); None:
+        it can. The family's token rule says it (read before any weight loads)."""
+        return self.token_rule.several_images_unsupported
 
     def count_visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
         """Visual tokens this image becomes, by the processor's own resize rule (within `bounds`:

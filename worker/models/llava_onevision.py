@@ -60,10 +60,6 @@ class LlavaOnevisionAdapter(ModelAdapter):
     # vLLM takes its cached tokens of any size through visbatch's plugin (engines/vllm_models.py).
     vllm_unsupported = None
     vllm_needs_plugin = True
-    several_images_unsupported = (
-        "its processor gives each image of a several-image prompt one view padded to a square, "
-        "which the cache entry (AnyRes tiles) does not hold"
-    )
 
     @property
     def anyres_rule(self) -> AnyResRule:

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ingest.spec import JobSpec
 from storage import repository as repo
 from visbatch.settings import Settings
 from worker.errors import UserError
 from worker.stages.needs import StartNeeds
-
-if TYPE_CHECKING:
-    from worker.models.base import ModelAdapter
 
 
 @dataclass(frozen=True)
@@ -53,23 +49,10 @@ def start_job(
     ]
 
 
-def refuse_unfit_family(spec: JobSpec, adapter: ModelAdapter) -> None:
-    """A job whose windows hold several images is refused before it starts (UserError: exit 2)
-    where the model family cannot take several cached images in one prompt: every window would
-    fail. (Every engine takes several images in one request.)"""
-    plan = spec.window_plan()
-    if plan is None or plan.size == 1 or not adapter.several_images_unsupported:
-        return
-    raise UserError(
-        f"--window {spec.window}: {adapter.family} cannot take several cached images in one prompt: "
-        f"{adapter.several_images_unsupported}",
-        "use another model family for windows (docs/windows.md), or leave out --window",
-    )
-
-
 def refuse_misfit_window(spec: JobSpec, paths: list[Path], model: str, settings: Settings) -> None:
     """A job whose windows cannot run is refused before it starts, naming the file (UserError:
-    exit 2): windows with pruning or merging (one image per request), a time window (`--window
+    exit 2): windows with pruning or merging (one image per request), windows of several images
+    for a family that cannot take them in one prompt, a time window (`--window
     10s`) over a PDF or an image, and a window whose tokens do not fit the model's context (the
     planner's count: worker.planning). An input read elsewhere
     (s3://, a drop folder) is refused by its own source instead, at ingest."""
@@ -98,12 +81,20 @@ def refuse_misfit_window(spec: JobSpec, paths: list[Path], model: str, settings:
                 "give videos only, or a window of pages: --window N[:S]",
             )
     from ingest.limits import Limits
+    from ingest.token_rules import load_token_rule
     from worker.planning.planner import WINDOW_FIXES, load_plan_model, plan_job, windows_over_context
 
     try:
+        rule = load_token_rule(model, settings.model_revision)
         plan_model = load_plan_model(model, settings.model_revision)
     except (OSError, ValueError):  # the model cannot be read: loading it says so, with the fix
         return
+    if plan.size != 1 and rule.several_images_unsupported:
+        raise UserError(
+            f"--window {spec.window}: {rule.family} cannot take several cached images in one prompt: "
+            f"{rule.several_images_unsupported}",
+            "use another model family for windows (docs/windows.md), or leave out --window",
+        )
     refused = windows_over_context(plan_job(paths, spec, plan_model, limits=Limits.from_settings(settings)))
     if refused:
         raise UserError("; ".join(refused), WINDOW_FIXES)
