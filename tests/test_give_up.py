@@ -151,3 +151,42 @@ def test_resumed_encoded_units_whose_generation_fails_are_failed_with_the_cause(
     assert summary["units_failed"] == 3 >= encoded, summary  # none left waiting forever
     assert set(failed) == {"generate failed: ValueError: value too long for the column"}
     assert summary["status"] == "failed" and summary["units_pending"] == 0, summary
+
+
+def test_a_refused_write_of_window_answers_ends_the_job_with_its_cause(
+    settings_factory, tmp_path, monkeypatch
+):
+    """A windowed job (issue 34): the units of the refused write's submissions fail with the
+    cause, every other unit's windows are answered (an answer, or the failure of a page they
+    hold), and no unit is left waiting: the job ends, explained."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    write_pdf(folder / "doc.pdf", pages=5)
+    real = repo.store_results
+    calls = []
+
+    def store_results(db, rows, units, *settled, **kw):
+        calls.append(len(rows))
+        if len(calls) == 1:
+            raise ValueError("value too long for the column")  # permanent: not retried
+        return real(db, rows, units, *settled, **kw)
+
+    monkeypatch.setattr(repo, "store_results", store_results)
+    rt = Runtime(settings_factory(encode_chunk_units=2))
+    job_id = run_job(rt, [folder], SPEC.model_copy(update={"window": "2:1"}))
+    summary = repo.job_summary(rt.db, job_id)
+    assert summary["status"] in ("partial", "failed"), summary
+    cause = "generate failed: ValueError: value too long for the column"
+    failed = {e["unit"] for e in summary["errors"] if e["message"] == cause}
+    assert failed and {e["message"] for e in summary["errors"]} == {cause}
+    rows = list(repo.iter_results(rt.db, job_id))
+    # A window of a failed page is answered with the failure, or not asked at all when every
+    # one of its pages failed; the others have their answer. Each window at most once.
+    windows = [(r["unit"], r["unit_to"]) for r in rows]
+    assert len(windows) == len(set(windows))
+    for row in rows:
+        held = set(range(row["unit"], row["unit_to"] + 1))
+        assert (row["error"] is None) == (not held & failed), (row, failed)
+    answered = {u for r in rows for u in range(r["unit"], r["unit_to"] + 1)}
+    assert answered | failed == set(range(5))
+    assert not repo.units_in_state(rt.db, job_id, UnitStatus.ENCODED)
