@@ -246,6 +246,11 @@ class Settings:
         64, ge=1, description="HTTP requests kept open at the server (each carries its embeddings)."
     )
     llm_max_retries: int = setting(5, ge=0, description="Retries of a timeout, connection error, 429 or 5xx.")
+    llm_server_plugin: bool = setting(
+        False,
+        description="The server runs where visbatch is installed, so its vLLM plugin is loaded there "
+        "and the openai engine takes LLaVA-OneVision and InternVL (pages of mixed sizes).",
+    )
 
     # --- load engine: capacity tests only (worker/engines/load_engine.py, VISBATCH_LOAD_*) ----
     load_tokens_per_s: float = setting(

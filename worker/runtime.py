@@ -196,7 +196,7 @@ class Runtime:
 
             # Resolved once, here, because it decides what of the model loads (the tower alone
             # when another engine generates); a family the engine cannot take fails now.
-            engine = choose_engine(self.settings.engine, adapter)
+            engine = choose_engine(self.settings.engine, adapter, self.settings)
             adapter.vision_only = not needs_language_model(engine)
         self.__dict__["_engine_name"] = engine
         return adapter

@@ -107,11 +107,12 @@ def test_real_adapters_say_whether_vllm_takes_them():
 
 
 @pytest.mark.parametrize("family", ["llava_onevision", "internvl"])
-def test_plugin_families_run_on_vllm_in_process_but_not_on_a_server_of_unknown_make(monkeypatch, family):
+def test_plugin_families_run_on_vllm_in_process_and_on_a_server_said_to_have_the_plugin(monkeypatch, family):
     """LLaVA-OneVision and InternVL need visbatch's vLLM plugin (worker/engines/vllm_models.py):
     `auto` picks vLLM for them as for Qwen, the in-process engine takes them, and the openai engine
     refuses them at job start, before any request (a `vllm serve` started without visbatch would
-    die on two page sizes)."""
+    die on two page sizes), unless VISBATCH_LLM_SERVER_PLUGIN says its server has the plugin
+    (tests/vllm/test_openai_plugin_families.py runs such a server)."""
     from worker.engines.openai_engine import OpenAIEngine, OpenAIOptions
     from worker.models import adapter_class
 
@@ -123,3 +124,8 @@ def test_plugin_families_run_on_vllm_in_process_but_not_on_a_server_of_unknown_m
     vllm_module.VLLMEngine.refuse_family(adapter)  # nothing raised: the plugin is loaded in process
     with pytest.raises(VLLMUnsupportedFamily, match=rf"openai cannot run {family}: .*visbatch's vLLM plugin"):
         OpenAIEngine(adapter, OpenAIOptions(url="http://127.0.0.1:9/v1"))  # nothing is contacted
+    with pytest.raises(VLLMUnsupportedFamily, match="VISBATCH_LLM_SERVER_PLUGIN=true"):
+        OpenAIEngine.refuse_family(adapter, Settings())
+    # A server that runs where visbatch is installed has the plugin: the operator says so.
+    OpenAIEngine.refuse_family(adapter, Settings(llm_server_plugin=True))
+    OpenAIEngine(adapter, OpenAIOptions(url="http://127.0.0.1:9/v1", server_plugin=True)).close()

@@ -48,12 +48,13 @@ def engine_class(name: str) -> type[StepEngine]:
     return getattr(importlib.import_module(module), attribute)
 
 
-def choose_engine(setting: str, adapter: ModelAdapter) -> str:
+def choose_engine(setting: str, adapter: ModelAdapter, settings: Settings | None = None) -> str:
     """The engine `setting` (VISBATCH_ENGINE) means for this model, resolved once for a runtime;
     the engine's refusal (VLLMUnsupportedFamily, an UnsupportedModel, from a vLLM engine) when it
-    cannot take the model's family: said as the job starts, before any weight loads."""
+    cannot take the model's family with these settings: said as the job starts, before any
+    weight loads."""
     name = resolve_engine_name(setting, adapter)
-    engine_class(name).refuse_family(adapter)
+    engine_class(name).refuse_family(adapter, settings)
     return name
 
 

@@ -156,9 +156,10 @@ class StepEngine(ABC):
         return CONTINUOUS_WINDOW
 
     @classmethod
-    def refuse_family(cls, adapter: ModelAdapter) -> None:
-        """Raise (an UnsupportedModel) when this engine cannot take the adapter's model family:
-        asked as the job starts, before any weight loads. Most engines take every family."""
+    def refuse_family(cls, adapter: ModelAdapter, settings: Settings | None = None) -> None:
+        """Raise (an UnsupportedModel) when this engine, with these settings, cannot take the
+        adapter's model family: asked as the job starts, before any weight loads. Most engines
+        take every family."""
         return None
 
     def __init__(self) -> None:

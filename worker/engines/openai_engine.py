@@ -94,6 +94,8 @@ class OpenAIOptions:
     timeout_s: float = 600.0
     max_in_flight: int = 64
     retry: RetryPolicy = RetryPolicy()
+    # The server runs where visbatch is installed: its vLLM plugin is loaded there (settings).
+    server_plugin: bool = False
 
     @classmethod
     def from_settings(cls, settings: Settings) -> OpenAIOptions:
@@ -110,6 +112,7 @@ class OpenAIOptions:
             timeout_s=settings.llm_timeout_s,
             max_in_flight=settings.llm_max_in_flight,
             retry=RetryPolicy(max_retries=settings.llm_max_retries),
+            server_plugin=settings.llm_server_plugin,
         )
 
     @property
@@ -201,10 +204,15 @@ class _Live(NamedTuple):
 
 class OpenAIEngine(VLLMFedEngine):
     name = "openai"
-    plugin_loaded = False  # the server is started by someone else, with or without visbatch
+
+    @classmethod
+    def plugin_loaded(cls, settings: Settings | None) -> bool:
+        # The server is started by someone else, with or without visbatch: the operator says.
+        return settings is not None and settings.llm_server_plugin
 
     def __init__(self, adapter: ModelAdapter, options: OpenAIOptions) -> None:
-        super().__init__(adapter)  # a family vLLM cannot take is refused here
+        # A family vLLM cannot take is refused here.
+        super().__init__(adapter, plugin_loaded=options.server_plugin)
         self.options = options
         # httpx logs every request at INFO: hundreds of thousands of lines in one batch run.
         if logging.getLogger("httpx").level == logging.NOTSET:

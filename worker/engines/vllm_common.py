@@ -23,6 +23,7 @@ from worker.engines.base import RequestRejected, StepEngine
 from worker.tokens.tensors import InvalidVisualTokens
 
 if TYPE_CHECKING:
+    from visbatch.settings import Settings
     from worker.engines.base import EngineRequest
     from worker.models.base import ModelAdapter
     from worker.tokens.tensors import TokenSpec
@@ -107,25 +108,33 @@ class VLLMFedEngine(StepEngine):
     directly (tests, benchmarks), before anything starts."""
 
     vllm_fed = True
-    # Whether visbatch's vLLM plugin is surely loaded where this engine's vLLM runs: in this
-    # installation (the in-process engine) yes; a server started elsewhere may lack it.
-    plugin_loaded = True
 
-    def __init__(self, adapter: ModelAdapter) -> None:
-        self.refuse_family(adapter)
+    def __init__(self, adapter: ModelAdapter, *, plugin_loaded: bool = True) -> None:
+        self._refuse(adapter, plugin_loaded)
         super().__init__()
         self.adapter = adapter
 
     @classmethod
-    def refuse_family(cls, adapter: ModelAdapter) -> None:
+    def plugin_loaded(cls, settings: Settings | None) -> bool:
+        """Whether visbatch's vLLM plugin is surely loaded where this engine's vLLM runs: in this
+        installation (the in-process engine) yes; a server says so by a setting."""
+        return True
+
+    @classmethod
+    def refuse_family(cls, adapter: ModelAdapter, settings: Settings | None = None) -> None:
         """VLLMUnsupportedFamily, with the family's reason and the setting to use, when vLLM
         cannot take this adapter's cached tokens."""
+        cls._refuse(adapter, cls.plugin_loaded(settings))
+
+    @classmethod
+    def _refuse(cls, adapter: ModelAdapter, plugin_loaded: bool) -> None:
         unsupported = getattr(adapter, "vllm_unsupported", None)
-        if not unsupported and getattr(adapter, "vllm_needs_plugin", False) and not cls.plugin_loaded:
+        if not unsupported and getattr(adapter, "vllm_needs_plugin", False) and not plugin_loaded:
             unsupported = (
                 "vLLM takes its pages of mixed sizes only with visbatch's vLLM plugin loaded, which a "
                 "server started elsewhere may lack (without it, two page sizes in one step kill the "
-                "server); not yet tested against `vllm serve`: use VISBATCH_ENGINE=vllm"
+                "server): install visbatch where the server runs and set VISBATCH_LLM_SERVER_PLUGIN=true, "
+                "or use VISBATCH_ENGINE=vllm"
             )
         if unsupported:
             raise VLLMUnsupportedFamily(

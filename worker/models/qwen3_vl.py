@@ -15,8 +15,9 @@ What differs from Qwen2-VL for visbatch:
   returns), but only when the tower MODULE exists in the LLM: in the usual embeddings-only mode
   (``limit_mm_per_prompt`` image 0) vLLM does not build it, which turns deepstack off
   (``use_deepstack``), and it then generates without deepstack (not this model's output) or, fed
-  the concatenation, crashes its engine. So for this family the LLM is built with one image per
-  prompt allowed (``vllm_llm_options``): the tower's weights are loaded (a few hundred MB for
+  the concatenation, crashes its engine. So for this family the LLM is built with images
+  allowed in a prompt (``vllm_llm_options``, up to VLLM_MAX_IMAGES: a window's): the tower's
+  weights are loaded (a few hundred MB for
   the released models), never run, since every request brings embeddings. Found by running it,
   and covered by ``tests/vllm/test_vllm_qwen3.py`` (token-for-token equal to transformers).
 """
