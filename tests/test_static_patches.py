@@ -126,3 +126,7 @@ def test_drop_static_without_windows_is_refused(tiny_model_dir, tmp_path, monkey
     assert "--drop-static 0.1" in result.output and "add --window" in result.output
     result = CliRunner().invoke(app, [*args, "--window", "1"])
     assert result.exit_code == 2, result.output
+    # With windows, `plan` counts the full windows and says a run may give the LM fewer.
+    planned = CliRunner().invoke(app, ["plan", *args[1:], "--window", "2"])
+    assert planned.exit_code == 0, planned.output
+    assert "--drop-static is on: a run may give the LM fewer visual tokens (upper bound)" in planned.output

@@ -261,6 +261,8 @@ def plan_job(
             )
         if survey.kind == "video" and spec.budget.skip_redundant_frames:
             plan.notes.append("redundant-frame skipping is on: a run may ask fewer frames (upper bound)")
+        if spec.budget.drop_static > 0 and spec.window is not None:
+            plan.notes.append("--drop-static is on: a run may give the LM fewer visual tokens (upper bound)")
         plan.max_pixels = (source_bounds or model.geometry.default).max_pixels
         visuals: list[int] = []  # per unit that can be encoded
         for width, height in survey.sizes:
