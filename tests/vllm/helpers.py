@@ -90,3 +90,16 @@ def answers(db, job_id: str) -> dict:
         (r["source"], r["unit"], r["prompt_index"], r["turn"], r["scope"]): r
         for r in repo.iter_results(db, job_id)
     }
+
+
+def generate_at_once(clients: list, batches: list[list[EngineRequest]]) -> list[list[Generation]]:
+    """Each client (an openai engine) generates its batch at the same time as the others, as
+    several workers share one server; the clients are closed after."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        with ThreadPoolExecutor(len(clients)) as pool:
+            return list(pool.map(lambda client, batch: client.generate(batch), clients, batches))
+    finally:
+        for client in clients:
+            client.close()

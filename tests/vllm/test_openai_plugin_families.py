@@ -10,7 +10,6 @@ takes a window of pages of mixed sizes as one message. One server per family, on
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -21,6 +20,7 @@ from tests.vllm.helpers import (
     SIZES,
     assert_same,
     encode,
+    generate_at_once,
     random_image,
     request,
     video_frame,
@@ -70,13 +70,7 @@ def test_two_clients_with_pages_of_mixed_sizes_equal_the_transformers_engine(ser
     )
     if not adapter.several_images_unsupported:  # a window: several image parts in one message
         theirs.append(window_request(adapter, visuals[:3], keys[:3]))
-    clients = [_client(server, adapter), _client(server, adapter)]
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            got = list(pool.map(lambda client, requests: client.generate(requests), clients, [ours, theirs]))
-    finally:
-        for client in clients:
-            client.close()
+    got = generate_at_once([_client(server, adapter), _client(server, adapter)], [ours, theirs])
     for requests, out in zip([ours, theirs], got, strict=True):
         assert all(len(g.token_ids) > 0 for g in out), [g.error for g in out]
         assert_same(out, hf.generate(requests))

@@ -26,6 +26,7 @@ from tests.vllm.helpers import (
     answers,
     assert_same,
     encode,
+    generate_at_once,
     random_image,
     request,
     window_request,
@@ -101,8 +102,6 @@ def test_windows_from_two_clients_at_once_equal_vllm_in_process_and_transformers
     """Several image parts in one message (a window, issue 34): two clients send windows of pages
     of different sizes at the same time, one of them with a follow-up turn; the server answers
     each as the in-process engine and the transformers engine do."""
-    from concurrent.futures import ThreadPoolExecutor
-
     a = vllm_adapter
     visuals = encode(a, [random_image(w, h, seed=140 + i) for i, (w, h) in enumerate(SIZES)])
     keys = [f"srv-win-{i}" for i in range(len(visuals))]
@@ -113,13 +112,7 @@ def test_windows_from_two_clients_at_once_equal_vllm_in_process_and_transformers
         ),
         window_request(a, visuals[:2], keys[:2], "And the date?", history=[("What is the total?", "12 EUR")]),
     ]
-    clients = [_engine(vllm_server, a), _engine(vllm_server, a)]
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            got = list(pool.map(lambda client, requests: client.generate(requests), clients, [ours, theirs]))
-    finally:
-        for client in clients:
-            client.close()
+    got = generate_at_once([_engine(vllm_server, a), _engine(vllm_server, a)], [ours, theirs])
     for requests, out in zip([ours, theirs], got, strict=True):
         assert_same(out, vllm_engine.generate(requests))
         assert_same(out, hf_engine.generate(requests))
