@@ -238,6 +238,7 @@ ZERO_MEANS = {
     "metrics_port": "worker: any free port, named in its log (`run` refuses 0: it prints no port)",
     "limit": "compare: counts only, no page listed (`jobs` refuses 0)",
     "show": "compare: no differing answer printed",
+    "drop_static": "no static patch left out of a window, the default",
 }
 ZERO_REFUSED_BY = {("run", "metrics_port"), ("resume", "metrics_port"), ("jobs", "limit")}
 

@@ -155,8 +155,9 @@ def test_request_body(tiny_adapter):
     assert json.dumps(greedy)  # plain JSON all through
 
 
-def test_qwen3_vl_sends_deepstack_and_needs_one_image_per_prompt(family_model_dir):
+def test_qwen3_vl_sends_deepstack_and_needs_the_tower_module(family_model_dir):
     from worker.models import ModelRef, load_adapter
+    from worker.models.qwen3_vl import VLLM_MAX_IMAGES
 
     adapter = load_adapter(ModelRef(str(family_model_dir("qwen3_vl"))))
     (vt,) = encode(adapter, [random_image(320, 256, seed=2)])
@@ -165,7 +166,9 @@ def test_qwen3_vl_sends_deepstack_and_needs_one_image_per_prompt(family_model_di
     layers = vt.extras["deepstack"].shape[0]
     assert embeds.shape == (vt.num_tokens, adapter.hidden_size * (1 + layers))
     flags = vllm_serve_args(adapter)
-    assert json.loads(flags[flags.index("--limit-mm-per-prompt") + 1]) == {"image": 1, "video": 0}
+    # Images allowed (the tower module exists, for deepstack), up to a window's worth.
+    limits = json.loads(flags[flags.index("--limit-mm-per-prompt") + 1])
+    assert limits == {"image": VLLM_MAX_IMAGES, "video": 0} and VLLM_MAX_IMAGES > 1
 
 
 def test_idefics3_is_refused(family_model_dir):

@@ -64,7 +64,7 @@ def test_a_window_from_cached_entries_equals_the_processor_with_the_same_images(
         vllm = adapter.vllm_prompt(window_ids, visuals, ["a", "b", "c"])
         assert vllm["prompt_token_ids"].count(adapter.image_token_id) == len(visuals)
         assert vllm["multi_modal_uuids"] == {"image": ["a", "b", "c"]}
-        with pytest.raises(ValueError, match="placeholder runs"):  # the images in another order
+        with pytest.raises(ValueError, match="placeholders in runs of"):  # the images in another order
             adapter.vllm_prompt(window_ids, visuals[1:] + visuals[:1], ["b", "c", "a"])
 
     window = EngineRequest(window_ids, tuple(visuals), "window", max_new_tokens=NEW_TOKENS)

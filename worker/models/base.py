@@ -370,7 +370,7 @@ class ModelAdapter(ABC):
         found = [last - first + 1 for first, last in runs]
         if found != list(counts):
             raise ValueError(
-                f"prompt has image placeholder runs of {found} ids, the visual tokens are {list(counts)}"
+                f"prompt has image placeholders in runs of {found}, the visual tokens are {list(counts)}"
             )
         out: list[int] = []
         at_id = 0
