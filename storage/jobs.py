@@ -762,20 +762,18 @@ def is_fleet_job(session: Connection, job_id: str) -> bool:
 
 def preview_per_source(
     db: Database, job_id: str, per_source: int = 2, max_sources: int = 6
-) -> dict[int, list[dict[str, Any]]]:
+) -> dict[tuple[int, int], list[dict[str, Any]]]:
     """The first good answers of each source (up to ``per_source``, for the first ``max_sources``
-    sources by uri), per prompt: the end of `visbatch run` shows every source of a small job, not
-    three frames of the first. ``{prompt_index: [record as storage.results.iter_results]}``."""
+    sources by uri), per prompt and turn: the end of `visbatch run` shows every source of a small
+    job, not three frames of the first (nor a window's follow-up as if it were the next window).
+    ``{(prompt_index, turn): [record as storage.results.iter_results]}``."""
     with db.session(readonly=True) as session:
         full_id = resolve_in_session(session, job_id)
-        rank = (
-            func.row_number()
-            .over(partition_by=(RESULTS.c.prompt_index, SOURCES.c.id), order_by=UNITS.c.unit_index)
-            .label("rank")
-        )
-        source_rank = func.dense_rank().over(partition_by=RESULTS.c.prompt_index, order_by=SOURCES.c.uri)
+        asked = (RESULTS.c.prompt_index, RESULTS.c.turn)
+        rank = func.row_number().over(partition_by=(*asked, SOURCES.c.id), order_by=UNITS.c.unit_index)
+        source_rank = func.dense_rank().over(partition_by=asked, order_by=SOURCES.c.uri)
         ranked = (
-            select(*RESULT_COLUMNS, rank, source_rank.label("source_rank"))
+            select(*RESULT_COLUMNS, rank.label("rank"), source_rank.label("source_rank"))
             .join_from(RESULTS, UNITS, RESULTS.c.unit_id == UNITS.c.id)
             .join(SOURCES, UNITS.c.source_id == SOURCES.c.id)
             .where(RESULTS.c.job_id == full_id, RESULTS.c.error.is_(None))
@@ -784,10 +782,10 @@ def preview_per_source(
         stmt = (
             select(ranked)
             .where(ranked.c.rank <= per_source, ranked.c.source_rank <= max_sources)
-            .order_by(ranked.c.prompt_index, ranked.c.source, ranked.c.unit)
+            .order_by(ranked.c.prompt_index, ranked.c.turn, ranked.c.source, ranked.c.unit)
         )
-        preview: dict[int, list[dict[str, Any]]] = {}
+        preview: dict[tuple[int, int], list[dict[str, Any]]] = {}
         for row in session.execute(stmt):
             record = {k: v for k, v in row._mapping.items() if k not in ("rank", "source_rank")}
-            preview.setdefault(int(record["prompt_index"]), []).append(record)
+            preview.setdefault((int(record["prompt_index"]), int(record["turn"])), []).append(record)
     return preview

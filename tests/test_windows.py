@@ -376,6 +376,35 @@ def test_the_review_page_shows_a_windows_answer_over_a_strip_of_its_pages(settin
     assert "Q1, follow-up 1: And the total?" in html and "Q2: Is there a table?" in html
 
 
+def test_runs_first_answers_show_a_follow_up_under_its_own_question(settings_factory, tmp_path) -> None:
+    """The end of `visbatch run`: each turn under its own question, not a window's follow-up
+    shown as if it were the next window of the first prompt."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from storage.jobs import preview_per_source
+    from worker.cli.output import print_preview
+
+    rt = Runtime(settings_factory())
+    spec = SPEC.model_copy(update={"then": [["And the total?"], []]})
+    job_id = run_job(rt, [_inputs(tmp_path, pages=3)], spec)
+    out = StringIO()
+    print_preview(Console(file=out, width=80), spec.prompts, spec.then, preview_per_source(rt.db, job_id))
+    lines = out.getvalue().splitlines()
+    assert lines[1:] == [
+        '  "What is on these pages?"',
+        f"    doc.pdf pages 1-2: {lines[2].split(': ', 1)[1]}",
+        f"    doc.pdf page 3: {lines[3].split(': ', 1)[1]}",
+        '  "And the total?" (follow-up 1)',
+        f"    doc.pdf pages 1-2: {lines[5].split(': ', 1)[1]}",
+        f"    doc.pdf page 3: {lines[6].split(': ', 1)[1]}",
+        '  "Is there a table? Answer yes or no."',
+        f"    doc.pdf pages 1-2: {lines[8].split(': ', 1)[1]}",
+        f"    doc.pdf page 3: {lines[9].split(': ', 1)[1]}",
+    ], lines
+
+
 @pytest.mark.slow
 def test_compare_matches_windows_by_range_and_turn(settings_factory, tmp_path) -> None:
     from worker.review.compare import compare_jobs

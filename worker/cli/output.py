@@ -18,7 +18,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from worker.results_export import place, span
+from worker.results_export import place, question, span
 
 # In a pipe or a log, a progress line at most this often (seconds).
 PROGRESS_LINE_SECONDS = float(os.environ.get("VISBATCH_PROGRESS_SECONDS", "10"))
@@ -315,15 +315,21 @@ def print_summary(console: Console, s: dict[str, Any]) -> None:
             console.print(f"  ... all of them: visbatch status {s['id']} --json", highlight=False)
 
 
-def print_preview(console: Console, job_id: str, prompts: list[str], preview: dict[int, list[dict]]) -> None:
-    """The first answers of each prompt, one line each, and the command that gives them all."""
-    preview = {index: records for index, records in preview.items() if records}
+def print_preview(
+    console: Console,
+    prompts: list[str],
+    then: list[list[str]],
+    preview: dict[tuple[int, int], list[dict]],
+) -> None:
+    """The first answers of each prompt and follow-up turn (`--then`), one line each."""
+    preview = {key: records for key, records in preview.items() if records}
     if not preview:
         return
     console.print("first answers:")
-    for index, records in sorted(preview.items()):
-        prompt = prompts[index] if index < len(prompts) else f"prompt {index + 1}"
-        console.print(f'  "{escape(one_line(prompt, 70))}"', highlight=False)
+    for (index, turn), records in sorted(preview.items()):
+        asked = question(prompts, then, index, turn) or f"prompt {index + 1}"
+        heading = f'"{one_line(asked, 70)}"' + (f" (follow-up {turn})" if turn else "")
+        console.print(f"  {escape(heading)}", highlight=False)
         for r in records:
             last = r["unit"] if r.get("unit_to") is None else r["unit_to"]
             at = span(r["kind"], r["unit"], last, r["timestamp"], r.get("timestamp_to"))

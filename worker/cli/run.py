@@ -169,7 +169,8 @@ def _print_answers(rt: Any, job_id: str, summary: dict[str, Any]) -> None:
         return
     from worker.results_export import asked
 
-    print_preview(console, job_id, asked(summary["spec"]), preview_per_source(rt.db, job_id))
+    spec = summary["spec"]
+    print_preview(console, asked(spec), spec.get("then") or [], preview_per_source(rt.db, job_id))
     console.print(_results_hint(job_id))
 
 
