@@ -157,4 +157,5 @@ def test_the_review_page_shows_a_sources_summary_at_its_top(settings_factory, tm
     assert html is not None and html.count("Summary: What is this document about?") == 1
     assert html.index('class="summary"') < html.index('class="unit"')  # above the pages
     assert "no answer yet" not in html  # page 2's answer is its window's, under page 1
+    assert "answered in its window, under an earlier page" in html
     assert pdf["error"] is None

@@ -253,9 +253,13 @@ def render_unit(
     if unit.error is not None:
         body.append(f'<div class="err unit-error"><b>error:</b> {esc(unit.error)}</div>')
     # A source's summary is shown at the top of its page (site.source_page), not under a unit.
-    body.extend(render_result(r, prompts, kind, then) for r in unit.results if r.scope != "source")
+    own = [r for r in unit.results if r.scope != "source"]
+    body.extend(render_result(r, prompts, kind, then) for r in own)
     # A done unit without answers of its own is in a window answered under the window's first unit.
-    if not unit.results and unit.status not in ("skipped", "failed", "done"):
+    if not own and unit.status == "done":
+        noun = "frame" if kind == "video" else "page"
+        body.append(f'<div class="muted">answered in its window, under an earlier {noun}</div>')
+    elif not own and unit.status not in ("skipped", "failed"):
         body.append('<div class="muted">no answer yet</div>')
     image = image_cell(unit.id, label, unit.image_key is not None)
     return (
