@@ -54,7 +54,7 @@ def run_staged(rt: Runtime, paths: list[Path], spec: JobSpec, stages: tuple[str,
         units = repo.units_in_state(rt.db, job_id, UnitStatus.PENDING)
         step = rt.settings.encode_batch_images
         for start in range(0, len(units), step):
-            encode_units(rt, units[start : start + step])
+            encode_units(rt, units[start : start + step], spec)
 
     def generate() -> None:
         loop = GenerateLoop(rt)

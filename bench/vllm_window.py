@@ -82,7 +82,7 @@ def main() -> None:
         jobs = []
         for pdf, spec in zip(pdfs, specs, strict=True):
             job = ingest_only(rt, [pdf], spec)
-            encode_units(rt, repo.units_in_state(rt.db, job, UnitStatus.PENDING))
+            encode_units(rt, repo.units_in_state(rt.db, job, UnitStatus.PENDING), spec)
             jobs.append(JobUnits(repo.units_in_state(rt.db, job, UnitStatus.ENCODED), spec))
         return jobs
 

@@ -80,11 +80,6 @@ def unpadded_map(height: int, width: int, rows: int, cols: int, max_tiles: int, 
 class AnyResRule(TokenRule):
     """LLaVA-OneVision: AnyRes tiles + a base view + image_newline per row (module docstring)."""
 
-    several_images_unsupported = (
-        "its processor gives each image of a several-image prompt one view padded to a square, "
-        "which the cache entry (AnyRes tiles) does not hold"
-    )
-
     family: str
     tile: int  # px per side of one tile (the image processor's size)
     side: int  # features per tile side (the tower's image_size / patch_size)
@@ -158,6 +153,12 @@ class AnyResRule(TokenRule):
 
     def tokens_for_map(self, rows: int, cols: int) -> int:
         return self.tokens_per_tile + rows * (cols + 1)
+
+    @property
+    def window_view_tokens(self) -> int:
+        # In a prompt of several images the processor shows each on ONE view, padded to a square
+        # and resized to one tile, no AnyRes map: a tile's features and one newline.
+        return self.tokens_per_tile + 1
 
     def count_visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
         return self.tokens_for_map(*self.feature_map(width, height, bounds))

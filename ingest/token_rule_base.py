@@ -8,7 +8,6 @@ Callers import both names from ingest.token_rules, as before.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
 
 from ingest.budget import PixelBounds, TokenGeometry
 
@@ -21,9 +20,6 @@ class TokenRule(ABC):
     """One model's token rule: how many visual tokens an image becomes, without weights."""
 
     family: str
-    # Why the family's cached tokens cannot make a prompt of several images (a window of pages or
-    # frames), or None: they can. Read by the job check before anything runs, without weights.
-    several_images_unsupported: ClassVar[str | None] = None
 
     @property
     @abstractmethod
@@ -33,3 +29,16 @@ class TokenRule(ABC):
     @abstractmethod
     def count_visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
         """Visual tokens of a `width` x `height` image resized within `bounds` (None: the model's)."""
+
+    @property
+    def window_view_tokens(self) -> int | None:
+        """The visual tokens of each image in a prompt of several (a window of pages or frames)
+        when the family's processor shows such an image on another view than a prompt's only
+        image (LLaVA-OneVision: one square view); None: the same view (`count_visual_tokens`)."""
+        return None
+
+    def count_window_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
+        """Visual tokens of an image in a prompt of several images."""
+        if self.window_view_tokens is not None:
+            return self.window_view_tokens
+        return self.count_visual_tokens(width, height, bounds)

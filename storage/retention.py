@@ -36,6 +36,7 @@ from typing import Any
 from sqlalchemy import Connection, delete, func, or_, select
 
 from storage.db import Database
+from storage.keys import window_view_key
 from storage.models import (
     FINISHED_JOB_STATUSES,
     JOBS,
@@ -424,7 +425,9 @@ def cache_deleter(cache: Any) -> Callable[[list[str]], int]:
     else one delete per key. Returns how many keys it was given."""
 
     def delete_entries(keys: list[str]) -> int:
-        _delete_from(cache, keys)
+        # With each entry its window view, where a window of several images made one (a key
+        # derived from the entry's: deleting one that was never made costs a key in the request).
+        _delete_from(cache, keys + [window_view_key(key) for key in keys])
         return len(keys)
 
     return delete_entries

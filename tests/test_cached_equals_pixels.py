@@ -39,6 +39,19 @@ def _through_cache(adapter, images: list[Image.Image]) -> list[VisualTokens]:
     return [adapter.decode_tokens(vt.to_bytes(adapter.fingerprint)) for vt in adapter.encode(images)]
 
 
+def window_through_cache(adapter, images: list[Image.Image]) -> list[VisualTokens]:
+    """The images as a window of several shows them, round-tripped through the cache format: on
+    the family's window view where it has one (worker.stages.generate.requests), else as above."""
+    if not adapter.has_window_view:
+        return _through_cache(adapter, images)
+    fingerprint = adapter.fingerprint_for(None, window_view=True)
+    assert fingerprint != adapter.fingerprint  # another cache entry than the usual view's
+    return [
+        adapter.decode_tokens(vt.to_bytes(fingerprint), fingerprint)
+        for vt in adapter.encode_window_view(images)
+    ]
+
+
 def _requests(adapter, visuals: list[VisualTokens]) -> list[EngineRequest]:
     return [
         EngineRequest(

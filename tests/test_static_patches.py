@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from ingest.spec import JobSpec, Sampling
+from tests.test_cached_equals_pixels import window_through_cache
 from tests.test_pruning import as_rows
 from worker.engines import EngineRequest, make_engine
 from worker.tokens.reduction import plan_static, reduce_batch
@@ -50,14 +51,12 @@ def _frames(adapter, count: int = 3) -> list:
         frame = base.copy()
         frame[:56, :56] = rng.integers(0, 255, (56, 56, 3), dtype=np.uint8) if i else frame[:56, :56]
         images.append(Image.fromarray(frame))
-    return adapter.encode(images)
+    return window_through_cache(adapter, images)
 
 
 @pytest.mark.slow
 def test_kept_tokens_keep_their_positions_and_off_is_the_plain_window(family_adapter) -> None:
     adapter = family_adapter
-    if adapter.several_images_unsupported:
-        pytest.skip(f"{adapter.family} takes no windows: {adapter.several_images_unsupported}")
     window = tuple(_frames(adapter))
     prompt = adapter.prompt_ids(PROMPT, window)
     inputs = adapter.generation_inputs([prompt], list(window))

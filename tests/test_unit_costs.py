@@ -50,7 +50,7 @@ def _encoded_units(rt: Runtime, folder: Path):
     job_id, sources = start_local_job(rt, [folder / "doc.pdf"], SPEC)
     for s in sources:
         ingest_source(rt, job_id, s.source_id, s.uri, Path(s.location), SPEC)
-    encode_units(rt, repo.units_in_state(rt.db, job_id, UnitStatus.PENDING))
+    encode_units(rt, repo.units_in_state(rt.db, job_id, UnitStatus.PENDING), SPEC)
     units = repo.units_in_state(rt.db, job_id, UnitStatus.ENCODED)
     assert len(units) == PAGES
     return job_id, units

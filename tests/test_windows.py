@@ -14,6 +14,10 @@ from tests.media import write_pdf, write_video
 from worker.drivers.embedded import run_job
 from worker.runtime import Runtime
 
+pytestmark = pytest.mark.budget(
+    150, reason="~15 whole jobs of windows on the tiny models (one of them LLaVA-OneVision), one on a fleet"
+)
+
 # --- the arithmetic -------------------------------------------------------------------------
 
 
@@ -190,9 +194,9 @@ def test_a_failed_page_fails_its_windows_with_its_cause(settings_factory, tmp_pa
 
     real = embedded.encode_units
 
-    def encode_units(rt, units, cache="cold"):
+    def encode_units(rt, units, spec):
         bad = [u for u in units if u.index == 1]
-        step = real(rt, [u for u in units if u.index != 1], cache)
+        step = real(rt, [u for u in units if u.index != 1], spec)
         if bad:
             repo.close_finished(
                 rt.db, repo.fail_units(rt.db, [(u.unit_id, "the page is unreadable") for u in bad])
@@ -337,24 +341,51 @@ def test_a_window_over_the_models_context_is_refused_by_plan_and_run(tiny_model_
     assert "visual_to_lm" in CliRunner().invoke(app, ["plan", *args[:-1], "4", "--json"]).output
 
 
-def test_windows_of_a_family_that_takes_one_image_per_prompt_are_refused_up_front(
-    family_model_dir, tiny_model_dir, tmp_path
+@pytest.mark.slow
+def test_llava_onevision_windows_show_each_page_on_its_window_view(
+    settings_factory, family_model_dir, tmp_path
 ) -> None:
-    """LLaVA-OneVision's cache entries take one image per prompt: a job of windows is refused
-    before it starts, by both drivers (every window would fail), read from its files alone.
-    Every engine takes several images."""
-    from ingest.anyres import AnyResRule
-    from visbatch.settings import Settings
-    from worker.errors import UserError
-    from worker.stages.start import refuse_misfit_window
+    """LLaVA-OneVision's processor shows each image of a several-image prompt on one square view
+    (test_several_images checks the tokens against it): a window of several pages is asked with
+    each page's window view, a second cache entry the encode stage makes beside the usual one; a
+    window of one page shows the usual view. Plan == spent; a warm rerun encodes nothing."""
+    from worker.planning.planner import load_plan_model, plan_job
 
-    pdf = _inputs(tmp_path, pages=2) / "doc.pdf"
-    llava, settings = str(family_model_dir("llava_onevision")), Settings(home=tmp_path / "home")
-    with pytest.raises(UserError, match="llava_onevision cannot take several cached images in one prompt"):
-        refuse_misfit_window(JobSpec(prompts=["q"], window="2"), [pdf], llava, settings)
-    assert "padded to a square" in (AnyResRule.several_images_unsupported or "")
-    refuse_misfit_window(JobSpec(prompts=["q"], window="1"), [pdf], llava, settings)
-    refuse_misfit_window(JobSpec(prompts=["q"], window="2"), [pdf], str(tiny_model_dir), settings)
+    llava = str(family_model_dir("llava_onevision"))
+    folder = _inputs(tmp_path, pages=3)  # windows: pages 1-2, then page 3 alone
+    spec = SPEC.model_copy(update={"then": [["And the total?"], []]})
+    planned = plan_job([folder], spec, load_plan_model(llava)).total
+    rt = Runtime(settings_factory(model=llava))
+    job_id = run_job(rt, [folder], spec)
+    summary = repo.job_summary(rt.db, job_id)
+    assert summary["status"] == "succeeded", summary
+    units = {u.index: u for u in repo.units_in_state(rt.db, job_id, UnitStatus.DONE)}
+    view = rt.adapter.token_rule.window_view_tokens
+    rows = list(repo.iter_results(rt.db, job_id))
+    assert len(rows) == 2 * 3 and all(r["error"] is None for r in rows)
+    assert {(r["unit"], r["unit_to"], r["visual_tokens"]) for r in rows} == {
+        (0, 1, 2 * view),
+        (2, 2, units[2].visual_tokens),
+    }
+    assert units[2].visual_tokens != view  # the usual (AnyRes) view, not the window's
+    assert planned.requests == len(rows)
+    assert planned.visual_to_lm == summary["tokens"]["spent"]["visual_to_lm"]
+    assert planned.visual_tokens == summary["visual_tokens"]
+    assert rt.token_store.stats.images_encoded == 2 * 3  # each page once on each view
+    again = run_job(rt, [folder], spec)
+    assert repo.job_summary(rt.db, again)["status"] == "succeeded"
+    assert rt.token_store.stats.images_encoded == 2 * 3  # warm: both views from the cache
+    # `visbatch purge` of both jobs deletes each page's window view with its usual entry.
+    from storage import retention
+    from storage.keys import window_view_key
+
+    keys = [u.cache_key for u in units.values()]
+    assert all(rt.token_store.cache.get(window_view_key(k)) is not None for k in keys)
+    retention.purge_jobs(rt.db, [job_id, again], delete_entries=retention.cache_deleter(rt.token_store.cache))
+    assert all(
+        rt.token_store.cache.get(k) is None and rt.token_store.cache.get(window_view_key(k)) is None
+        for k in keys
+    )
 
 
 @pytest.mark.slow

@@ -22,6 +22,14 @@ def encode(adapter, images: list[Image.Image]) -> list[VisualTokens]:
     return [adapter.decode_tokens(vt.to_bytes(adapter.fingerprint)) for vt in adapter.encode(images)]
 
 
+def encode_window(adapter, images: list[Image.Image]) -> list[VisualTokens]:
+    """As `encode`, on the window view where the family shows the images of a several-image
+    prompt on one (LLaVA-OneVision; worker.stages.generate.requests)."""
+    from tests.test_cached_equals_pixels import window_through_cache
+
+    return window_through_cache(adapter, images)
+
+
 def request(adapter, vt: VisualTokens, key: str, prompt: str = "Describe this image.", **kw) -> EngineRequest:
     return EngineRequest(
         prompt_ids=adapter.prompt_ids(prompt, vt),

@@ -20,6 +20,7 @@ from tests.vllm.helpers import (
     SIZES,
     assert_same,
     encode,
+    encode_window,
     generate_at_once,
     random_image,
     request,
@@ -68,8 +69,9 @@ def test_two_clients_with_pages_of_mixed_sizes_equal_the_transformers_engine(ser
     theirs.append(
         request(adapter, visuals[0], keys[0], "Extract the fields.", max_new_tokens=64, json_schema=SCHEMA)
     )
-    if not adapter.several_images_unsupported:  # a window: several image parts in one message
-        theirs.append(window_request(adapter, visuals[:3], keys[:3]))
+    # A window: several image parts in one message (LLaVA-OneVision's on their window view).
+    window = encode_window(adapter, [random_image(w, h, seed=150 + i) for i, (w, h) in enumerate(SIZES[:3])])
+    theirs.append(window_request(adapter, window, [f"{k}-window" for k in keys[:3]]))
     got = generate_at_once([_client(server, adapter), _client(server, adapter)], [ours, theirs])
     for requests, out in zip([ours, theirs], got, strict=True):
         assert all(len(g.token_ids) > 0 for g in out), [g.error for g in out]

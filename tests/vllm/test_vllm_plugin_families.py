@@ -22,6 +22,7 @@ from tests.vllm.helpers import (
     SIZES,
     assert_same,
     encode,
+    encode_window,
     random_image,
     request,
     video_frame,
@@ -62,17 +63,14 @@ def test_mixed_sizes_and_a_frame_in_one_step_give_the_transformers_tokens(family
 
 def test_a_window_of_mixed_sizes_equals_the_transformers_engine(family, tmp_path):
     """Several images in one prompt (issue 34's windows), a list of one tensor per image through
-    the plugin. LLaVA-OneVision's windows are refused before they reach an engine (its processor
-    pads each image of a several-image prompt to a square: another encode)."""
+    the plugin (LLaVA-OneVision's on its window view, the one square view its processor shows
+    each image of a several-image prompt on)."""
     adapter, vllm_engine, hf_engine = family
-    visuals = encode(adapter, [random_image(w, h, seed=90 + i) for i, (w, h) in enumerate(SIZES[:2])])
-    visuals += encode(adapter, [video_frame(tmp_path)])
-    if adapter.several_images_unsupported:
-        with pytest.raises(ValueError, match="padded to a square"):
-            adapter.prompt_ids("What do these pages say?", visuals)
-        return
+    images = [random_image(w, h, seed=90 + i) for i, (w, h) in enumerate(SIZES[:2])] + [video_frame(tmp_path)]
+    visuals = encode_window(adapter, images)
     keys = [f"{adapter.family}-win-{i}" for i in range(3)]
-    requests = [window_request(adapter, visuals, keys), request(adapter, visuals[0], keys[0])]
+    (single,) = encode(adapter, images[:1])
+    requests = [window_request(adapter, visuals, keys), request(adapter, single, f"{adapter.family}-one")]
     assert_same(vllm_engine.generate(requests), hf_engine.generate(requests))
 
 

@@ -355,7 +355,7 @@ class EmbeddedRun:
             return
         work = UnitsWork(units[0].job_id, [u.unit_id for u in units])
         try:
-            step = self._tries(ENCODE, work, lambda: encode_units(self.rt, units, spec.cache))
+            step = self._tries(ENCODE, work, lambda: encode_units(self.rt, units, spec))
         except Stopped:
             return
         if step is not None:  # None: given up, the units failed with their cause

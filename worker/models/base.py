@@ -26,6 +26,7 @@ from PIL import Image
 
 from ingest.budget import PixelBounds, TokenGeometry
 from ingest.token_rules import TokenRule, load_token_rule
+from storage.keys import window_view_key
 from worker.tokens.tensors import TokenSpec, VisualTokens
 
 
@@ -72,10 +73,11 @@ class ModelAdapter(ABC):
         return load_token_rule(self.ref.source, self.ref.revision)
 
     @property
-    def several_images_unsupported(self) -> str | None:
-        """Why one prompt cannot hold several images from the cache (a window, `--window`); None:
-        it can. The family's token rule says it (read before any weight loads)."""
-        return self.token_rule.several_images_unsupported
+    def has_window_view(self) -> bool:
+        """Whether an image in a prompt of several (a window) is shown on another view, encoded
+        and cached apart (`encode_window_view`, `cache_key(..., window_view=True)`):
+        LLaVA-OneVision's square view."""
+        return self.token_rule.window_view_tokens is not None
 
     def count_visual_tokens(self, width: int, height: int, bounds: PixelBounds | None = None) -> int:
         """Visual tokens this image becomes, by the processor's own resize rule (within `bounds`:
@@ -96,27 +98,28 @@ class ModelAdapter(ABC):
         """Model, revision, dtype and preprocessing: equal fingerprints give equal tokens."""
         return self.fingerprint_for(None)
 
-    def fingerprint_for(self, bounds: PixelBounds | None) -> str:
-        """The fingerprint with a job's resize bounds; the model's own bounds give `fingerprint`."""
+    def fingerprint_for(self, bounds: PixelBounds | None, window_view: bool = False) -> str:
+        """The fingerprint with a job's resize bounds (the model's own bounds give `fingerprint`);
+        of the images' window view (`has_window_view`) if asked."""
         bounds = self.token_geometry.normalize(bounds)
         cache = self.__dict__.setdefault("_fingerprints", {})
-        if bounds not in cache:
-            blob = json.dumps(
-                {
-                    "family": self.family,
-                    "model": self.ref.source,
-                    "revision": self.ref.revision,
-                    "dtype": str(self.dtype),
-                    "preprocessing": self.preprocessing(bounds),
-                },
-                sort_keys=True,
-                default=str,
-            )
-            cache[bounds] = hashlib.sha256(blob.encode()).hexdigest()[:32]
-        return cache[bounds]
+        if (bounds, window_view) not in cache:
+            fields = {
+                "family": self.family,
+                "model": self.ref.source,
+                "revision": self.ref.revision,
+                "dtype": str(self.dtype),
+                "preprocessing": self.preprocessing(bounds),
+            }
+            if window_view:  # absent for the usual view: its keys stay what they were
+                fields["view"] = "window"
+            blob = json.dumps(fields, sort_keys=True, default=str)
+            cache[(bounds, window_view)] = hashlib.sha256(blob.encode()).hexdigest()[:32]
+        return cache[(bounds, window_view)]
 
-    def cache_key(self, image_hash: str, bounds: PixelBounds | None = None) -> str:
-        return hashlib.sha256(f"{image_hash}:{self.fingerprint_for(bounds)}".encode()).hexdigest()
+    def cache_key(self, image_hash: str, bounds: PixelBounds | None = None, window_view: bool = False) -> str:
+        key = hashlib.sha256(f"{image_hash}:{self.fingerprint_for(bounds)}".encode()).hexdigest()
+        return window_view_key(key) if window_view else key
 
     # --- weights: what every family reads the same way from its transformers checkpoint ------
 
@@ -165,6 +168,12 @@ class ModelAdapter(ABC):
     @abstractmethod
     def encode(self, images: list[Image.Image], bounds: PixelBounds | None = None) -> list[VisualTokens]:
         """Run the vision tower over a batch of images (resized within `bounds`)."""
+
+    def encode_window_view(
+        self, images: list[Image.Image], bounds: PixelBounds | None = None
+    ) -> list[VisualTokens]:
+        """The images as the processor shows each one in a prompt of several (`has_window_view`)."""
+        raise NotImplementedError(f"{type(self).__name__} shows every image on one view")
 
     def prompt_ids(
         self,

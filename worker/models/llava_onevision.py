@@ -20,6 +20,13 @@ How it differs from the other families, and how the interface carries it:
 * budgets choose the grids (``pinpoints_for``): the encode passes them to the image processor
   and packs with them, as the model would with those ``image_grid_pinpoints``.
 
+**A window of several pages or frames** (``--window``): the processor shows each image of a
+prompt of several on ONE view (``batch_num_images`` > 1: padded to a square with the image
+mean, resized to one tile, no AnyRes map), so such an image has a second cache entry, its window
+view (``encode_window_view``: a tile's features and the newline, layout ``WINDOW_VIEW_GRID``),
+encoded beside the usual one for a job whose windows hold several units; a window of one image
+shows the usual view, as the processor does.
+
 **Video frames are encoded as images.** OneVision's own video path (``<video>``: frames bilinearly
 pooled 2x2 to ceil(side/2)^2 tokens each, ONE newline after the last frame) pools a whole clip
 into one prompt. visbatch's unit is one sampled frame, cached under its own pixel hash and asked
@@ -40,7 +47,6 @@ visbatch's vLLM plugin (``worker.engines.vllm_models``) relaxes that one declara
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from functools import cached_property
 from types import SimpleNamespace
 from typing import Any
@@ -52,6 +58,9 @@ from ingest.anyres import AnyResRule
 from ingest.budget import PixelBounds
 from worker.models.base import ModelAdapter
 from worker.tokens.tensors import VisualTokens
+
+# The layout (grid_thw) of an image's window view: no feature map, a tile and its newline.
+WINDOW_VIEW_GRID = (1, 0, 0)
 
 
 class LlavaOnevisionAdapter(ModelAdapter):
@@ -87,8 +96,11 @@ class LlavaOnevisionAdapter(ModelAdapter):
     # --- weights -----------------------------------------------------------------------
 
     def tokens_for_grid(self, grid: torch.Tensor) -> int:
-        """Tokens of a (1, rows, cols) feature map; ValueError for any other layout."""
+        """Tokens of a (1, rows, cols) feature map, or of the window view (1, 0, 0): one square
+        tile and its newline; ValueError for any other layout."""
         t, rows, cols = (int(x) for x in grid.view(-1))
+        if (t, rows, cols) == WINDOW_VIEW_GRID:
+            return self.anyres_rule.window_view_tokens
         if t != 1 or rows < 1 or cols < 1:
             raise ValueError("not a feature map layout (1, rows, cols)")
         return self.anyres_rule.tokens_for_map(rows, cols)
@@ -160,17 +172,24 @@ class LlavaOnevisionAdapter(ModelAdapter):
             out.append(VisualTokens(embeds=embeds.to("cpu", self.dtype).clone(), grid_thw=grid))
         return out
 
-    def template_ids(
-        self, prompt: str, images: list[VisualTokens | None], history: Sequence[tuple[str, str]] = ()
-    ) -> list[int]:
-        if len(images) > 1:
-            # The processor gives each image of a several-image prompt ONE view, padded to a
-            # square (`batch_num_images` > 1: no AnyRes tiles): other pixels than a cache entry's
-            # base view for any image that is not square, so another encode (not built yet).
-            raise ValueError(
-                f"several images in one LLaVA-OneVision prompt: {self.several_images_unsupported}"
-            )
-        return super().template_ids(prompt, images, history)
+    @torch.inference_mode()
+    def encode_window_view(
+        self, images: list[Image.Image], bounds: PixelBounds | None = None
+    ) -> list[VisualTokens]:
+        """Each image as the processor shows it in a prompt of several (`batch_num_images` > 1):
+        padded to a square with the image mean, resized to one tile, no AnyRes map; the model
+        then appends one newline. The job's bounds do not change it (the processor's either)."""
+        # A sample of several images takes that path; a lone image is sent with a copy of itself.
+        sample = images if len(images) > 1 else images * 2
+        inputs = self.processor.image_processor(images=[sample], return_tensors="pt")
+        pixels = inputs["pixel_values"][: len(images), 0]  # (images, 1 view, 3, tile, tile) -> one each
+        features = self._features(pixels.to(self.device, self.dtype))  # (images, side^2, hidden)
+        newline = self.vision_tower.newline.to(features.dtype)[None]
+        grid = torch.tensor([WINDOW_VIEW_GRID], dtype=torch.int64)
+        return [
+            VisualTokens(embeds=torch.cat([f, newline]).to("cpu", self.dtype).clone(), grid_thw=grid.clone())
+            for f in features
+        ]
 
     def reserved_markers(self) -> list[str]:
         return [self.image_placeholder, self.processor.video_token]
@@ -180,7 +199,10 @@ class LlavaOnevisionAdapter(ModelAdapter):
         return self.image_placeholder * (0 if visual is None else visual.num_tokens)
 
     def token_rows(self, visual: VisualTokens) -> list[int]:
-        """The base view's rows, then each map row and, alone, its newline (a row of 1 never merges)."""
+        """The base view's rows, then each map row and, alone, its newline (a row of 1 never
+        merges); the window view: its tile's rows and its newline."""
         _, rows, cols = (int(x) for x in visual.grid_thw.view(-1))
         side = self.anyres_rule.side
+        if rows == 0:
+            return [side] * side + [1]
         return [side] * side + [cols, 1] * rows

@@ -86,6 +86,9 @@ class PlanModel:
     prompt_tokens: Callable[[str], int] | None  # None: no tokenizer, estimated
     shape: ModelShape | None = None  # cache width and parameter counts (fleet figures)
     context: int | None = None  # the LM's context in tokens (None: its config does not say)
+    # Tokens of each image of a window of several on the family's window view (None: the usual
+    # view's; ingest.token_rule_base.TokenRule.window_view_tokens).
+    window_view_tokens: int | None = None
 
 
 def load_plan_model(model: str, revision: str | None = None) -> PlanModel:
@@ -116,6 +119,7 @@ def load_plan_model(model: str, revision: str | None = None) -> PlanModel:
         prompt_tokens,
         shape,
         int(context) if context else None,
+        rule.window_view_tokens,
     )
 
 
@@ -217,13 +221,21 @@ def _question_tokens(spec: JobSpec, counter: Callable[[str], int]) -> list[int]:
     return counts
 
 
-def _windowed(visuals: list[int], spec: JobSpec, duration: float | None) -> list[int]:
-    """Visual tokens per window of a source's units (ingest.windows); a video's frames taken as
+def _windowed(
+    visuals: list[int], spec: JobSpec, duration: float | None, view_tokens: int | None
+) -> list[int]:
+    """Visual tokens per window of a source's units (ingest.windows), each image of a window of
+    several at `view_tokens` where the family has a window view; a video's frames taken as
     spread evenly over its duration (as --fps and --num-frames sample them)."""
     plan = spec.window_plan()
     assert plan is not None
     times = [i * (duration or 0.0) / len(visuals) for i in range(len(visuals))] if visuals else []
-    return [sum(visuals[first : last + 1]) for first, last in windows_of(plan, times)]
+    return [
+        (last - first + 1) * view_tokens
+        if view_tokens is not None and last > first
+        else sum(visuals[first : last + 1])
+        for first, last in windows_of(plan, times)
+    ]
 
 
 def plan_job(
@@ -261,6 +273,12 @@ def plan_job(
             )
         if survey.kind == "video" and spec.budget.skip_redundant_frames:
             plan.notes.append("redundant-frame skipping is on: a run may ask fewer frames (upper bound)")
+        window = spec.window_plan()
+        if model.window_view_tokens is not None and window is not None and window.size != 1:
+            plan.notes.append(
+                f"each page or frame is also encoded on the view windows of several show "
+                f"({model.window_view_tokens} tokens, budgets aside): counted in visual_to_lm only"
+            )
         if spec.budget.drop_static > 0 and spec.window is not None:
             plan.notes.append("--drop-static is on: a run may give the LM fewer visual tokens (upper bound)")
         plan.max_pixels = (source_bounds or model.geometry.default).max_pixels
@@ -279,7 +297,11 @@ def plan_job(
             plan.visual_tokens_max = max(plan.visual_tokens_max, visual)
             visuals.append(visual)
         # What each request shows: a unit, or a window's units (encoded once, shown in each window).
-        shown = _windowed(visuals, spec, survey.duration) if spec.window is not None else visuals
+        shown = (
+            _windowed(visuals, spec, survey.duration, model.window_view_tokens)
+            if spec.window is not None
+            else visuals
+        )
         for visual in shown:
             for prompt_tokens in prompt_counts:
                 plan.requests += 1

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from ingest.budget import PixelBounds
+from ingest.spec import JobSpec
 from storage import repository as repo
 from storage.rows import UnitTask
 from worker import metrics
@@ -25,16 +26,32 @@ class EncodeStep:
     closed: dict[str, str] = field(default_factory=dict)
 
 
-def encode_units(rt: EncodeNeeds, units: list[UnitTask], cache: str = "cold") -> EncodeStep:
+def shows_window_view(spec: JobSpec, has_window_view: bool) -> bool:
+    """Whether the job's prompts may hold several images each shown on the family's window view
+    (worker.models.base.ModelAdapter.has_window_view): windows of more than one unit."""
+    plan = spec.window_plan()
+    return has_window_view and plan is not None and plan.size != 1
+
+
+def encode_units(rt: EncodeNeeds, units: list[UnitTask], spec: JobSpec) -> EncodeStep:
     """Make sure every unit's visual tokens are cached, in the tiers the job's cache policy uses
-    (`cache`: ingest.spec.CachePolicy); units that can never be encoded fail."""
+    (ingest.spec.CachePolicy), and their window view where the job's windows show it; units that
+    can never be encoded fail."""
     step = EncodeStep()
     if not units:
         return step
     started = time.monotonic()
-    outcomes = rt.token_store.for_policy(cache).encode_units(
-        [(u.unit_id, u.image_key, PixelBounds.of(u.min_pixels, u.max_pixels)) for u in units]
-    )
+    store = rt.token_store.for_policy(spec.cache)
+    keys = [(u.unit_id, u.image_key, PixelBounds.of(u.min_pixels, u.max_pixels)) for u in units]
+    outcomes = store.encode_units(keys)
+    if shows_window_view(spec, store.adapter.has_window_view):
+        # A window of one image (a one-page source, a window alone at a source's end) shows the
+        # usual view, every other window this one: both are cached, each encoded once.
+        errors = {o.unit_id: o.error for o in store.encode_units(keys, window_view=True) if o.error}
+        outcomes = [
+            dataclasses.replace(o, cache_key=None, error=errors[o.unit_id]) if o.unit_id in errors else o
+            for o in outcomes
+        ]
     by_id = {u.unit_id: u for u in units}
     ok = [(o.unit_id, o.cache_key, o.cache_hit) for o in outcomes if o.error is None]
     failed = [(o.unit_id, o.error) for o in outcomes if o.error is not None]

@@ -51,8 +51,7 @@ def start_job(
 
 def refuse_misfit_window(spec: JobSpec, paths: list[Path], model: str, settings: Settings) -> None:
     """A job whose windows cannot run is refused before it starts, naming the file (UserError:
-    exit 2): windows with pruning or merging (one image per request), windows of several images
-    for a family that cannot take them in one prompt, a time window (`--window
+    exit 2): windows with pruning or merging (one image per request), a time window (`--window
     10s`) over a PDF or an image, and a window whose tokens do not fit the model's context (the
     planner's count: worker.planning). An input read elsewhere
     (s3://, a drop folder) is refused by its own source instead, at ingest."""
@@ -81,20 +80,12 @@ def refuse_misfit_window(spec: JobSpec, paths: list[Path], model: str, settings:
                 "give videos only, or a window of pages: --window N[:S]",
             )
     from ingest.limits import Limits
-    from ingest.token_rules import load_token_rule
     from worker.planning.planner import WINDOW_FIXES, load_plan_model, plan_job, windows_over_context
 
     try:
-        rule = load_token_rule(model, settings.model_revision)
         plan_model = load_plan_model(model, settings.model_revision)
     except (OSError, ValueError):  # the model cannot be read: loading it says so, with the fix
         return
-    if plan.size != 1 and rule.several_images_unsupported:
-        raise UserError(
-            f"--window {spec.window}: {rule.family} cannot take several cached images in one prompt: "
-            f"{rule.several_images_unsupported}",
-            "use another model family for windows (docs/windows.md), or leave out --window",
-        )
     refused = windows_over_context(plan_job(paths, spec, plan_model, limits=Limits.from_settings(settings)))
     if refused:
         raise UserError("; ".join(refused), WINDOW_FIXES)

@@ -15,6 +15,7 @@ from typing import Protocol
 from PIL import Image, UnidentifiedImageError
 
 from ingest.budget import PixelBounds
+from storage.keys import window_view_key
 from storage.object_store import ObjectNotFound, ObjectStore
 from storage.token_cache import DEFAULT_NONE_TTL_SECONDS, TokenCache, cache_for_policy
 from worker import metrics
@@ -43,12 +44,19 @@ class TokenCodec(Protocol):
     adapter is handed in, never imported here."""
 
     fingerprint: str
+    has_window_view: bool
 
-    def fingerprint_for(self, bounds: PixelBounds | None) -> str: ...
+    def fingerprint_for(self, bounds: PixelBounds | None, window_view: bool = False) -> str: ...
 
-    def cache_key(self, image_hash: str, bounds: PixelBounds | None = None) -> str: ...
+    def cache_key(
+        self, image_hash: str, bounds: PixelBounds | None = None, window_view: bool = False
+    ) -> str: ...
 
     def encode(self, images: list[Image.Image], bounds: PixelBounds | None = None) -> list[VisualTokens]: ...
+
+    def encode_window_view(
+        self, images: list[Image.Image], bounds: PixelBounds | None = None
+    ) -> list[VisualTokens]: ...
 
     def decode_tokens(self, data: bytes, fingerprint: str) -> VisualTokens: ...
 
@@ -96,14 +104,19 @@ class VisualTokenStore:
             self._views[policy] = view
         return view
 
-    def cache_key(self, image_key: str, bounds: PixelBounds | None = None) -> str:
-        """Content + preprocessing (the job's resize bounds included) + model."""
-        return self.adapter.cache_key(image_hash_of(image_key), bounds)
+    def cache_key(self, image_key: str, bounds: PixelBounds | None = None, window_view: bool = False) -> str:
+        """Content + preprocessing (the job's resize bounds included) + model; the image's window
+        view (worker.models.base.ModelAdapter.has_window_view) is another entry."""
+        return self.adapter.cache_key(image_hash_of(image_key), bounds, window_view)
 
-    def _fingerprint(self, bounds: PixelBounds | None) -> str:
-        return self.adapter.fingerprint if bounds is None else self.adapter.fingerprint_for(bounds)
+    def _fingerprint(self, bounds: PixelBounds | None, window_view: bool = False) -> str:
+        if bounds is None and not window_view:
+            return self.adapter.fingerprint
+        return self.adapter.fingerprint_for(bounds, window_view)
 
-    def lookup(self, cache_key: str, bounds: PixelBounds | None = None) -> VisualTokens | None:
+    def lookup(
+        self, cache_key: str, bounds: PixelBounds | None = None, window_view: bool = False
+    ) -> VisualTokens | None:
         """A validated cache entry, or None. A corrupt entry is dropped so it gets re-encoded."""
         before = dataclasses.replace(self.cache.stats)
         data = self.cache.get(cache_key)
@@ -111,7 +124,7 @@ class VisualTokenStore:
         if data is None:
             return None
         try:
-            return self.adapter.decode_tokens(data, self._fingerprint(bounds))
+            return self.adapter.decode_tokens(data, self._fingerprint(bounds, window_view))
         except InvalidVisualTokens as exc:
             log.warning("dropping bad token-cache entry %s: %s", cache_key, exc)
             self.stats.corrupt_entries += 1
@@ -123,44 +136,60 @@ class VisualTokenStore:
             return img.convert("RGB")
 
     def encode_keys(
-        self, image_keys: list[str], bounds: PixelBounds | None = None, *, keep: bool = True
+        self,
+        image_keys: list[str],
+        bounds: PixelBounds | None = None,
+        *,
+        keep: bool = True,
+        window_view: bool = False,
     ) -> list[VisualTokens]:
-        """Run the tower over these images (in batches) and write every result to the cache
-        (unless not `keep`: tokens used at once and never again)."""
+        """Run the tower over these images (in batches; their window view if asked) and write
+        every result to the cache (unless not `keep`: tokens used at once and never again)."""
         out: list[VisualTokens] = []
-        fingerprint = self._fingerprint(bounds)
+        fingerprint = self._fingerprint(bounds, window_view)
+        encode = self.adapter.encode_window_view if window_view else self.adapter.encode
         for start in range(0, len(image_keys), self.batch_images):
             chunk = image_keys[start : start + self.batch_images]
             images = [self._load_image(k) for k in chunk]
             with self._tower:
-                tokens = self.adapter.encode(images, bounds)
+                tokens = encode(images, bounds)
                 self.stats.tower_calls += 1
                 self.stats.images_encoded += len(images)
                 metrics.TOWER_IMAGES.inc(len(images))
             for key, vt in zip(chunk, tokens, strict=True):
                 if keep:
                     self.cache.put(
-                        self.cache_key(key, bounds), vt.to_bytes(fingerprint, compress=self.compress)
+                        self.cache_key(key, bounds, window_view),
+                        vt.to_bytes(fingerprint, compress=self.compress),
                     )
             out.extend(tokens)
         return out
 
-    def get(self, image_key: str, bounds: PixelBounds | None = None) -> VisualTokens:
+    def get(
+        self, image_key: str, bounds: PixelBounds | None = None, window_view: bool = False
+    ) -> VisualTokens:
         """For generation: the cached tokens, re-encoded if the cache evicted them meanwhile (and
         cached again, except under policy ``none``: they are used now and never again)."""
-        found = self.lookup(self.cache_key(image_key, bounds), bounds)
+        found = self.lookup(self.cache_key(image_key, bounds, window_view), bounds, window_view)
         if found is not None:
             return found
-        return self.encode_keys([image_key], bounds, keep=self.policy != "none")[0]
+        return self.encode_keys([image_key], bounds, keep=self.policy != "none", window_view=window_view)[0]
 
     def forget(self, cache_key: str) -> None:
-        """Policy ``none``: the unit is answered, its entry goes (from the tiers this view uses)."""
+        """Policy ``none``: the unit is answered, its entries go (from the tiers this view uses):
+        its window view's too, where a window made one."""
         self.cache.delete(cache_key)
+        if self.adapter.has_window_view:
+            self.cache.delete(window_view_key(cache_key))
 
     def encode_units(
-        self, units: list[tuple[int, str]] | list[tuple[int, str, PixelBounds | None]]
+        self,
+        units: list[tuple[int, str]] | list[tuple[int, str, PixelBounds | None]],
+        *,
+        window_view: bool = False,
     ) -> list[EncodeOutcome]:
-        """Make sure every (unit_id, image_key[, bounds]) has cached tokens; hits skip the tower.
+        """Make sure every (unit_id, image_key[, bounds]) has cached tokens (of the images' window
+        view if asked: another entry each); hits skip the tower.
 
         Units sharing an image and bounds (identical pages, static frames) are encoded once; one
         tower call takes images of one bounds (the processor resizes a call alike). A transient
@@ -174,9 +203,9 @@ class VisualTokenStore:
         for unit in units:
             unit_id, image_key = unit[0], unit[1]
             bounds = unit[2] if len(unit) > 2 else None
-            key = self.cache_key(image_key, bounds)
+            key = self.cache_key(image_key, bounds, window_view)
             # The tensors are not needed here: checking the header and shape is enough.
-            if self.lookup(key, bounds) is not None:
+            if self.lookup(key, bounds, window_view) is not None:
                 outcomes[unit_id] = EncodeOutcome(unit_id, key, cache_hit=True)
             else:
                 misses.setdefault((image_key, bounds), []).append(unit_id)
@@ -187,26 +216,26 @@ class VisualTokenStore:
             for start in range(0, len(keys), self.batch_images):
                 chunk = keys[start : start + self.batch_images]
                 try:
-                    self.encode_keys(chunk, bounds)
+                    self.encode_keys(chunk, bounds, window_view=window_view)
                     done: dict[str, str | None] = {k: None for k in chunk}
                 except Exception as exc:
                     if is_transient(exc):
                         raise
                     # One bad image must not fail the batch: each alone tells which one it was.
                     log.warning("encode batch failed (%s); encoding its images one by one", describe(exc))
-                    done = {k: self._encode_alone(k, bounds) for k in chunk}
+                    done = {k: self._encode_alone(k, bounds, window_view) for k in chunk}
                 for image_key, error in done.items():
-                    key = self.cache_key(image_key, bounds)
+                    key = self.cache_key(image_key, bounds, window_view)
                     for i, unit_id in enumerate(misses[(image_key, bounds)]):
                         # Only the first unit of a shared image paid for the tower.
                         outcomes[unit_id] = EncodeOutcome(unit_id, None if error else key, i > 0, error)
         return [outcomes[unit[0]] for unit in units]
 
-    def _encode_alone(self, image_key: str, bounds: PixelBounds | None = None) -> str | None:
+    def _encode_alone(self, image_key: str, bounds: PixelBounds | None, window_view: bool) -> str | None:
         """None when the image is encoded now; the reason when it never can be. Transient errors
         are raised."""
         try:
-            self.encode_keys([image_key], bounds)
+            self.encode_keys([image_key], bounds, window_view=window_view)
             return None
         except ObjectNotFound:
             return f"image {image_key} is missing from the object store"

@@ -243,7 +243,7 @@ def encode_units(self: Task, job_id: str, unit_ids: list[int]) -> str:
         return "skipped: job finished"
     rt = runtime_for(spec.model)
     pending = repo.units_by_ids(rt.db, unit_ids, UnitStatus.PENDING)
-    step = encode_stage(rt, pending, spec.cache)
+    step = encode_stage(rt, pending, spec)
     if spec.window is not None:
         # Their windows, failed units' too (such a window's answer is the failure): one message,
         # which asks the windows these units complete (storage.windows).

@@ -125,14 +125,17 @@ class RequestBuilder:
             raise _NotAsked("; ".join(unit.failed))
         if not shown:
             raise _NotAsked("every frame of the window repeats an earlier one (skipped as near-duplicates)")
+        # Several images in one prompt: each on the family's window view where it has one
+        # (encoded beside the usual view: worker.stages.encode.shows_window_view).
+        window_view = len(shown) > 1 and self.adapter.has_window_view
         visual, keys = [], []
         for one in shown:
             # The resize bounds the unit was counted with at ingest (its job's budget); None: the model's.
             bounds = PixelBounds.of(one.min_pixels, one.max_pixels)
             if one.image_key is None:
                 raise ValueError("the unit has no image")
-            visual.append(self.token_store.for_policy(spec.cache).get(one.image_key, bounds))
-            keys.append(self.token_store.cache_key(one.image_key, bounds))
+            visual.append(self.token_store.for_policy(spec.cache).get(one.image_key, bounds, window_view))
+            keys.append(self.token_store.cache_key(one.image_key, bounds, window_view))
         images = tuple(visual) if isinstance(unit, WindowTask) else visual[0]
         return images, "+".join(keys)
 
@@ -181,7 +184,9 @@ class RequestBuilder:
             prompt_index=prepared.prompt_index,
             turn=prepared.turn,
             prompt_tokens=prompt_tokens,
-            visual_tokens=unit.visual_tokens or 0,
+            # What the LM was given (a window's images on their window view, when the family
+            # has one); a request never built: its units' tokens.
+            visual_tokens=request.visual_tokens if request is not None else unit.visual_tokens or 0,
             model=self.model_name,
             engine=self.engine_name,
             cache_hit=bool(unit.cache_hit),
