@@ -97,15 +97,11 @@ def test_the_order_of_a_windows_images_is_the_prompts(family_model_dir):
         assert got.token_ids == _until_eos(_from_pixels(adapter, [images[i] for i in order]), eos)
 
 
-def test_what_takes_one_image_per_request_says_so(tiny_adapter):
+def test_a_request_names_each_of_its_images(tiny_adapter):
     visual = VisualTokens(torch.zeros(4, 8), torch.tensor([[1, 4, 4]]))
     request = EngineRequest([1, 2], (visual, visual), "w", max_new_tokens=4)
     assert request.images == (visual, visual) and request.visual_tokens == 8
-    with pytest.raises(
-        RequestRejected, match="2 images in one request: pruning and merging takes one per request"
-    ):
-        request.single_image("pruning and merging")
-    assert EngineRequest([1], visual, "p", max_new_tokens=4).single_image("x") is visual
+    assert EngineRequest([1], visual, "p", max_new_tokens=4).images == (visual,)
     # A window's key is its images' keys joined (worker.stages.generate.requests), one per image.
     assert EngineRequest([1, 2], (visual, visual), "k1+k2", max_new_tokens=4).image_keys == ("k1", "k2")
     with pytest.raises(RequestRejected, match="does not name 2 image"):

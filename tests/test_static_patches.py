@@ -15,7 +15,7 @@ from ingest.spec import JobSpec, Sampling
 from tests.test_cached_equals_pixels import window_through_cache
 from tests.test_pruning import as_rows
 from worker.engines import EngineRequest, make_engine
-from worker.tokens.reduction import plan_static, reduce_batch
+from worker.tokens.reduction import plan_reduction, plan_static, reduce_batch
 
 PROMPT = "What happens in this clip?"
 
@@ -64,13 +64,7 @@ def test_kept_tokens_keep_their_positions_and_off_is_the_plain_window(family_ada
     (plans,) = reduced.plans
     assert plans[0].pruned == 0 and sum(p.pruned for p in plans[1:]) > 0, [p.pruned for p in plans]
     assert reduced.pruned == [sum(p.pruned for p in plans)]
-    cols = reduced.columns[0]
-    at = reduced.inputs["input_ids"].shape[1] - len(cols)
-    # Every kept column (text and image alike) carries the full window's position there.
-    assert torch.equal(as_rows(reduced.inputs["position_ids"])[:, 0, at:], reduced.full_positions[:, 0, cols])
-    assert torch.equal(reduced.inputs["input_ids"][0, at:], inputs["input_ids"][0, cols])
-    kept = int((reduced.inputs["input_ids"][0] == adapter.image_token_id).sum())
-    assert kept == sum(v.num_tokens for v in window) - reduced.pruned[0]
+    _assert_positions_kept(adapter, inputs, reduced, window)
 
     def ask(drop_static: float) -> list:
         request = EngineRequest(prompt, window, "w", max_new_tokens=6, drop_static=drop_static)
@@ -83,6 +77,41 @@ def test_kept_tokens_keep_their_positions_and_off_is_the_plain_window(family_ada
     assert off[0].token_ids == plain[0].token_ids and off[0].pruned_tokens == 0  # off: the plain window
     assert on[0].pruned_tokens == reduced.pruned[0] and on[0].token_ids == on[1].token_ids  # deterministic
     assert on[0].error is None
+
+
+def _assert_positions_kept(adapter, inputs, reduced, window) -> None:
+    cols = reduced.columns[0]
+    at = reduced.inputs["input_ids"].shape[1] - len(cols)
+    # Every kept column (text and image alike) carries the full window's position there.
+    assert torch.equal(as_rows(reduced.inputs["position_ids"])[:, 0, at:], reduced.full_positions[:, 0, cols])
+    assert torch.equal(reduced.inputs["input_ids"][0, at:], inputs["input_ids"][0, cols])
+    kept = int((reduced.inputs["input_ids"][0] == adapter.image_token_id).sum())
+    assert kept == sum(v.num_tokens for v in window) - reduced.pruned[0] - reduced.merged[0]
+
+
+@pytest.mark.slow
+def test_a_windows_frames_are_pruned_and_merged_each_on_its_own(family_adapter) -> None:
+    """--prune-keep and --merge-keep inside a window: each frame reduced as a page alone would
+    be, every kept token at its full-window position."""
+    adapter = family_adapter
+    window = tuple(_frames(adapter))
+    prompt = adapter.prompt_ids(PROMPT, window)
+    inputs = adapter.generation_inputs([prompt], list(window))
+    for prune_keep, merge_keep in ((0.5, 1.0), (1.0, 0.5)):
+        reduced = reduce_batch(adapter, inputs, [window], [prune_keep], [merge_keep])
+        (plans,) = reduced.plans
+        alone = [plan_reduction(v.embeds, adapter.token_rows(v), prune_keep, merge_keep) for v in window]
+        assert [(p.pruned, p.merged) for p in plans] == [(p.pruned, p.merged) for p in alone]
+        assert reduced.pruned[0] + reduced.merged[0] > 0
+        _assert_positions_kept(adapter, inputs, reduced, window)
+        request = EngineRequest(
+            prompt, window, "w", max_new_tokens=6, prune_keep=prune_keep, merge_keep=merge_keep
+        )
+        (got,) = make_engine("transformers", adapter).generate([request])
+        assert got.error is None and (got.pruned_tokens, got.merged_tokens) == (
+            reduced.pruned[0],
+            reduced.merged[0],
+        )
 
 
 @pytest.mark.slow
@@ -98,16 +127,18 @@ def test_a_job_of_video_windows_records_the_tokens_left_out(settings_factory, tm
     rt = Runtime(settings_factory())
     spec = JobSpec(prompts=[PROMPT], window="4", sampling=Sampling(max_new_tokens=4))
 
-    def run(drop_static: float) -> list[dict]:
-        budget = spec.budget.model_copy(update={"drop_static": drop_static, "skip_redundant_frames": False})
+    def run(**reduction: float) -> list[dict]:
+        budget = spec.budget.model_copy(update={**reduction, "skip_redundant_frames": False})
         job = run_job(rt, [inputs], spec.model_copy(update={"budget": budget}))
         assert repo.job_summary(rt.db, job)["status"] == "succeeded"
         return list(repo.iter_results(rt.db, job))
 
-    full, dropped = run(0.0), run(0.5)
+    full, dropped, pruned = run(), run(drop_static=0.5), run(prune_keep=0.5)
     assert [r["scope"] for r in dropped] == ["window"] * len(full)
     assert all(r["pruned_tokens"] == 0 for r in full)
     assert sum(r["pruned_tokens"] for r in dropped) > 0
+    # --prune-keep in a window: each frame pruned on its own, to about half.
+    assert all(0.4 < r["pruned_tokens"] / r["visual_tokens"] < 0.6 for r in pruned), pruned
     assert [r["visual_tokens"] for r in dropped] == [r["visual_tokens"] for r in full]
 
 

@@ -470,14 +470,21 @@ def test_time_windows_over_a_video(settings_factory, tmp_path) -> None:
     ]
 
 
-def test_windows_with_pruning_or_merging_are_refused(tmp_path, monkeypatch) -> None:
+def test_static_patches_dropped_with_pruning_or_merging_are_refused(tmp_path, monkeypatch) -> None:
     import visbatch
 
     monkeypatch.setenv("VISBATCH_HOME", str(tmp_path / "home"))
     folder = _inputs(tmp_path, pages=2)
     for option in ({"prune_keep": 0.5}, {"merge_keep": 0.5}):
-        with pytest.raises(visbatch.Error, match="pruning and merging take one image per request"):
-            visbatch.run([folder], prompts=["q"], window="2", model=str(tmp_path / "no-model"), **option)
+        with pytest.raises(visbatch.Error, match="--drop-static 0.1 with --prune-keep or --merge-keep"):
+            visbatch.run(
+                [folder],
+                prompts=["q"],
+                window="2",
+                drop_static=0.1,
+                model=str(tmp_path / "no-model"),
+                **option,
+            )
 
 
 @pytest.mark.slow

@@ -82,13 +82,6 @@ class EngineRequest:
     def visual_tokens(self) -> int:
         return sum(image.num_tokens for image in self.images)
 
-    def single_image(self, what: str) -> VisualTokens:
-        """The one image of a request to `what`, which takes one per request (RequestRejected for
-        several)."""
-        if len(self.images) != 1:
-            raise RequestRejected(f"{len(self.images)} images in one request: {what} takes one per request")
-        return self.images[0]
-
 
 @dataclass(frozen=True)
 class Generation:

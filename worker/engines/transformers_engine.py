@@ -175,14 +175,8 @@ class TransformersEngine(StepEngine):
         elif any(keep < 1.0 for keep in prune_keeps + merge_keeps) or any(
             r.drop_static > 0 and len(r.images) > 1 for r in requests
         ):  # positions kept: worker.tokens.reduction
-            # A window's frames (their static patches dropped, or none); pruning and merging
-            # take one image per request.
-            visuals = [
-                r.images
-                if len(r.images) > 1 and min(r.prune_keep, r.merge_keep) >= 1.0
-                else r.single_image("pruning and merging")
-                for r in requests
-            ]
+            # A window's images reduced each on its own, or without its static patches.
+            visuals = [r.images if len(r.images) > 1 else r.images[0] for r in requests]
             inputs, pruned, merged = adapter.reduced_generation_inputs(
                 prompts, visuals, prune_keeps, merge_keeps, [r.drop_static for r in requests]
             )

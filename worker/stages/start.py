@@ -51,7 +51,7 @@ def start_job(
 
 def refuse_misfit_window(spec: JobSpec, paths: list[Path], model: str, settings: Settings) -> None:
     """A job whose windows cannot run is refused before it starts, naming the file (UserError:
-    exit 2): windows with pruning or merging (one image per request), a time window (`--window
+    exit 2): static-patch dropping with pruning or merging, a time window (`--window
     10s`) over a PDF or an image, and a window whose tokens do not fit the model's context (the
     planner's count: worker.planning). An input read elsewhere
     (s3://, a drop folder) is refused by its own source instead, at ingest."""
@@ -64,11 +64,11 @@ def refuse_misfit_window(spec: JobSpec, paths: list[Path], model: str, settings:
         )
     if plan is None:
         return
-    if plan.size != 1 and (spec.budget.prune_keep < 1.0 or spec.budget.merge_keep < 1.0):
+    if spec.budget.drop_static > 0 and (spec.budget.prune_keep < 1.0 or spec.budget.merge_keep < 1.0):
         raise UserError(
-            f"--window {spec.window} with --prune-keep or --merge-keep: pruning and merging take one "
-            "image per request",
-            "leave out --prune-keep and --merge-keep for a job of windows (--detail and the caps apply)",
+            f"--drop-static {spec.budget.drop_static:g} with --prune-keep or --merge-keep: each "
+            "chooses a window's tokens its own way",
+            "keep --drop-static for clips that change little, or --prune-keep/--merge-keep, not both",
         )
     from ingest.detect import still_kind  # PyAV with it: only for a job that has a window
 

@@ -160,9 +160,9 @@ def reduce_batch(
     merge_keeps: list[float],
     drop_statics: list[float] | None = None,
 ) -> ReducedBatch:
-    """The adapter's full generation inputs (left-padded), each row's image merged and pruned, or
-    a row's window of frames without its static patches (`drop_statics`); positions given
-    explicitly."""
+    """The adapter's full generation inputs (left-padded), each row's images merged and pruned
+    (each on its own), or a row's window of frames without its static patches (`drop_statics`);
+    positions given explicitly."""
     positions = adapter.prompt_positions(inputs)
     input_ids, attention = inputs["input_ids"], inputs["attention_mask"]
     device = input_ids.device
@@ -178,13 +178,14 @@ def reduce_batch(
         if len(image_cols) != sum(v.num_tokens for v in images):
             total = sum(v.num_tokens for v in images)
             raise ValueError(f"row {row}: {len(image_cols)} image placeholders, {total} tokens")
-        if len(images) == 1:
-            visual = images[0]
-            row_plans = [plan_reduction(visual.embeds, adapter.token_rows(visual), prune_keep, merge_keep)]
-        elif prune_keep < 1.0 or merge_keep < 1.0:
-            raise ValueError(f"row {row}: {len(images)} images: pruning and merging take one per request")
-        else:  # a window: its static patches dropped (none at drop_static 0)
+        if len(images) > 1 and drop_static > 0:  # a window: its static patches dropped
+            if prune_keep < 1.0 or merge_keep < 1.0:
+                raise ValueError(f"row {row}: static patches dropped AND pruning or merging: one at a time")
             row_plans = plan_static([v.embeds for v in images], drop_static)
+        else:  # each image merged and pruned on its own (a window's frame by frame)
+            row_plans = [
+                plan_reduction(v.embeds, adapter.token_rows(v), prune_keep, merge_keep) for v in images
+            ]
         keep_col = attention[row].bool().cpu().clone()
         at = 0
         for visual, plan in zip(images, row_plans, strict=True):
