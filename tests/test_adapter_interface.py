@@ -82,22 +82,21 @@ def test_prompt_ids_take_the_visual_tokens_not_a_count(tiny_adapter):
     assert tiny_adapter.image_token_id not in text_only
 
 
-@pytest.mark.parametrize("engine", ["vllm", "openai"])
 def test_a_vllm_engine_for_a_family_it_cannot_run_is_refused_before_any_weight_loads(
-    engine, family_model_dir, tmp_path
+    family_model_dir, tmp_path
 ):
-    """Idefics3 (like InternVL and LLaVA-OneVision) cannot be fed cached tokens by vLLM 0.32: a
-    job asking for a vLLM engine fails at once with the family's reason and what to set instead,
-    not as an unexpected "model could not be loaded" after its weights were read."""
+    """Idefics3 (like InternVL and LLaVA-OneVision) is fed cached tokens by vLLM only through
+    visbatch's plugin, which a server started elsewhere may lack: a job asking for the openai
+    engine without VISBATCH_LLM_SERVER_PLUGIN fails at once with the reason and what to set
+    instead, not as an unexpected "model could not be loaded" after its weights were read."""
     from ingest.token_rules import UnsupportedModel
     from visbatch.settings import Settings
     from worker.runtime import Runtime
 
-    rt = Runtime(Settings(home=tmp_path / "home", model=str(family_model_dir("idefics3")), engine=engine))
+    rt = Runtime(Settings(home=tmp_path / "home", model=str(family_model_dir("idefics3")), engine="openai"))
     with pytest.raises(UnsupportedModel) as refused:
         _ = rt.adapter
     message = str(refused.value)
-    assert f"VISBATCH_ENGINE={engine} cannot run idefics3:" in message
-    assert adapter_class("idefics3").vllm_unsupported in message
-    assert "VISBATCH_ENGINE=transformers" in message
+    assert "VISBATCH_ENGINE=openai cannot run idefics3:" in message
+    assert "VISBATCH_LLM_SERVER_PLUGIN=true" in message and "VISBATCH_ENGINE=transformers" in message
     assert "adapter" not in rt.__dict__  # nothing kept: the job fails as it starts

@@ -171,12 +171,17 @@ def test_qwen3_vl_sends_deepstack_and_needs_the_tower_module(family_model_dir):
     assert limits == {"image": VLLM_MAX_IMAGES, "video": 0} and VLLM_MAX_IMAGES > 1
 
 
-def test_idefics3_is_refused(family_model_dir):
+def test_idefics3_needs_a_server_with_the_plugin(family_model_dir):
+    """vLLM's own Idefics3 takes no embeddings: only a server with visbatch's plugin loaded does
+    (tests/vllm/test_openai_plugin_families.py runs one)."""
     from worker.models import ModelRef, load_adapter
 
     adapter = load_adapter(ModelRef(str(family_model_dir("idefics3"))))
-    with pytest.raises(VLLMUnsupportedFamily, match="VISBATCH_ENGINE=openai cannot run idefics3"):
+    with pytest.raises(
+        VLLMUnsupportedFamily, match="openai cannot run idefics3: .*VISBATCH_LLM_SERVER_PLUGIN"
+    ):
         _engine(adapter)
+    _engine(adapter, server_plugin=True).close()
 
 
 # --- failures without a server -------------------------------------------------------------------

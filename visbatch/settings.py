@@ -249,7 +249,7 @@ class Settings:
     llm_server_plugin: bool = setting(
         False,
         description="The server runs where visbatch is installed, so its vLLM plugin is loaded there "
-        "and the openai engine takes LLaVA-OneVision and InternVL (pages of mixed sizes).",
+        "and the openai engine takes LLaVA-OneVision, InternVL and Idefics3.",
     )
 
     # --- load engine: capacity tests only (worker/engines/load_engine.py, VISBATCH_LOAD_*) ----

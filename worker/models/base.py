@@ -358,15 +358,16 @@ class ModelAdapter(ABC):
         if len(uuids) != len(images):
             raise ValueError(f"{len(uuids)} cache keys for {len(images)} images")
         return {
-            "prompt_token_ids": self.collapse_image_placeholders(prompt_ids, [v.num_tokens for v in images]),
+            "prompt_token_ids": self.collapse_image_placeholders(prompt_ids, images),
             "multi_modal_data": {"image": self.vllm_embeddings(images)},
             "multi_modal_uuids": {"image": list(uuids)},
         }
 
-    def collapse_image_placeholders(self, prompt_ids: list[int], counts: Sequence[int]) -> list[int]:
-        """Our prompt with each image's run of placeholder ids (`counts[i]` of them) collapsed to
+    def collapse_image_placeholders(self, prompt_ids: list[int], images: Sequence[VisualTokens]) -> list[int]:
+        """Our prompt with each image's run of placeholder ids (one per visual token) collapsed to
         ONE id (given an expanded run, vLLM would expand every id again). ValueError when the runs
-        and the counts disagree."""
+        and the images' tokens disagree."""
+        counts = [v.num_tokens for v in images]
         at = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
         if not at:
             raise ValueError("prompt has no image placeholder")
@@ -401,10 +402,15 @@ class ModelAdapter(ABC):
 
     def vllm_embeddings(self, images: Sequence[VisualTokens]) -> Any:
         """The request's images as vLLM's `multi_modal_data["image"]`: one (1, tokens, hidden)
-        tensor for one image, a list of (tokens, hidden) tensors (one item each) for several."""
+        tensor for one image, a list of (tokens, hidden) tensors (one item each) for several;
+        embeddings with their layout (a dict: Qwen, Idefics3) end to end and one layout row each
+        (vLLM splits the embeddings by the layouts' sizes, in order)."""
+        data = [self.vllm_image_data(v) for v in images]
+        if isinstance(data[0], dict):
+            return {name: torch.cat([d[name] for d in data]) for name in data[0]}
         if len(images) == 1:
-            return self.vllm_image_data(images[0]).unsqueeze(0)
-        return [self.vllm_image_data(v) for v in images]
+            return data[0].unsqueeze(0)
+        return data
 
     def decode_tokens(self, data: bytes, fingerprint: str | None = None) -> VisualTokens:
         """A serialized cache entry, checked against this model (InvalidVisualTokens otherwise)."""

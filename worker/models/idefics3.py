@@ -15,15 +15,16 @@ How it differs from the Qwen families, and how the interface carries it:
 * positions are plain 1-D (a Llama language model), so pruning and merging keep each token's
   sequence position; a merge never joins two tiles, nor two rows of a tile (``token_rows``).
 
-vLLM (0.32) is not used for it: its Idefics3 builds each image's prompt replacement from the
-image itself (``get_items("image", ImageProcessorItems)``): fed embeddings it raises "Expected
-type: ImageProcessorItems, but found type: ImageEmbeddingItems" (tried on the tiny model, in
-embeddings-only mode; with the tower loaded, the (tiles, tokens, hidden) tensor counts as one
-image per tile). ``auto`` picks transformers and ``vllm`` is refused with that reason.
+vLLM (0.32) builds each image's prompt replacement from the image itself, so its own Idefics3
+refuses embeddings ("Expected type: ImageProcessorItems, but found type: ImageEmbeddingItems").
+visbatch's vLLM plugin (``worker.engines.vllm_models``) takes an image as its embeddings and its
+tile grid (``vllm_image_data``) and writes the replacement from the grid with vLLM's own code;
+the prompt sent carries ONE ``<image>`` per image (``collapse_image_placeholders``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,10 +39,9 @@ from worker.tokens.tensors import VisualTokens
 class Idefics3Adapter(TiledImageAdapter):
     family = "idefics3"
     model_class_name = "Idefics3ForConditionalGeneration"
-    vllm_unsupported = (
-        "vLLM 0.32's Idefics3 builds each image's prompt (tile rows and columns) from the image "
-        "itself and refuses embedding inputs for it (TypeError: expected ImageProcessorItems)"
-    )
+    # vLLM takes its cached tokens with their tile grid through visbatch's plugin (module docstring).
+    vllm_unsupported = None
+    vllm_needs_plugin = True
 
     @property
     def tile_rule(self) -> TileRule:
@@ -101,9 +101,44 @@ class Idefics3Adapter(TiledImageAdapter):
             for chunk, grid in zip(chunks, grids, strict=True)
         ]
 
+    # --- vLLM ----------------------------------------------------------------------------
+
+    def vllm_image_data(self, visual: VisualTokens) -> dict[str, torch.Tensor]:
+        # The embeddings and the tile grid vLLM writes the image's prompt from (the plugin's
+        # `image_grid`).
+        return {"image_embeds": visual.embeds, "image_grid": visual.grid_thw}
+
+    def collapse_image_placeholders(self, prompt_ids: list[int], images: Sequence[VisualTokens]) -> list[int]:
+        """Each image's whole expansion (tile tags, the global view and their `<image>` runs)
+        collapsed to ONE `<image>`: vLLM writes it again from the grid. ValueError when the
+        prompt does not hold the images' expansions in order."""
+        out: list[int] = []
+        at = 0
+        for i, visual in enumerate(images):
+            span = self.tokenizer.encode(self.image_text(visual), add_special_tokens=False)
+            start = _find(prompt_ids, span, at)
+            if start < 0:
+                raise ValueError(
+                    f"the prompt does not hold image {i + 1}'s tile layout {visual.grid_thw.tolist()}"
+                )
+            out += prompt_ids[at:start] + [self.image_token_id]
+            at = start + len(span)
+        if self.image_token_id in prompt_ids[at:]:
+            raise ValueError(f"the prompt has image placeholders beyond its {len(images)} image(s)")
+        return out + prompt_ids[at:]
+
     def image_text(self, visual: VisualTokens | None) -> str:
         processor = self.processor
         _, rows, cols = (0, 0, 0) if visual is None else (int(x) for x in visual.grid_thw.view(-1))
         # The processor's own expansion of one image: tile markers, then image_seq_len <image> each.
         expanded = processor.replace_image_token({"rows": [[rows]], "cols": [[cols]]}, 0)
         return expanded if visual is not None else expanded.replace(processor.image_token, "")
+
+
+def _find(ids: list[int], span: list[int], start: int) -> int:
+    """Where `span` first starts in `ids` at or after `start`; -1 when it does not."""
+    first = span[0]
+    for i in range(start, len(ids) - len(span) + 1):
+        if ids[i] == first and ids[i : i + len(span)] == span:
+            return i
+    return -1

@@ -6,7 +6,6 @@ the language model places them with M-RoPE, computed by the model's own `get_rop
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
@@ -140,12 +139,6 @@ class Qwen2VLAdapter(ModelAdapter):
     def vllm_image_data(self, visual: VisualTokens) -> dict[str, torch.Tensor]:
         # Embeddings-only input: 2-D merged embeddings + the (1, 3) grid that sizes the run.
         return {"image_embeds": visual.embeds, "image_grid_thw": visual.grid_thw}
-
-    def vllm_embeddings(self, images: Sequence[VisualTokens]) -> dict[str, torch.Tensor]:
-        # Several images: their embeddings end to end and one grid row each (vLLM splits the
-        # embeddings by the grids' sizes, in order).
-        data = [self.vllm_image_data(v) for v in images]
-        return {name: torch.cat([d[name] for d in data]) for name in data[0]}
 
 
 class Qwen25VLAdapter(Qwen2VLAdapter):
