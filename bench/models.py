@@ -4,7 +4,7 @@
 `vision`   tiny LM, a 2-block 128-wide tower (2x the test model's): the encode stage does real work.
 `lm100m`   ~100M-parameter LM (768 wide, 12 layers, 12 heads, 2 KV heads) with that tower:
            on CPU, compute dominates generation the way a real model does on a GPU (packing, fleet).
-`tiny-<family>`, `lm100m-<family>`  the same LMs in another family (llava_onevision, internvl),
+`tiny-<family>`, `lm100m-<family>`  the same LMs in another family (llava_onevision, internvl, idefics3),
            with that family's tiny tower.
 The real Qwen2-VL-2B tower (32 blocks, 1280 wide) costs well over 50x this one per image, so
 every cache-hit ratio measured here is a lower bound.
@@ -19,14 +19,16 @@ from typing import Any
 from bench.media import cache_dir
 
 TOWER = {"vision_depth": 2, "vision_embed_dim": 128, "vision_heads": 2}
+# The families vLLM takes through visbatch's plugin (worker/engines/vllm_models.py).
+PLUGIN_FAMILIES = ("llava_onevision", "internvl", "idefics3")
 LM100M = {"hidden_size": 768, "layers": 12, "heads": 12, "kv_heads": 2, "intermediate_size": 3072}
 SPECS: dict[str, dict[str, Any]] = {
     "tiny": {},
     "vision": {**TOWER},
     "lm100m": {**LM100M, **TOWER},
     # The plugin families' (vLLM's Q12, bench/vllm_window.py): each with its own tiny tower.
-    **{f"tiny-{family}": {"family": family} for family in ("llava_onevision", "internvl")},
-    **{f"lm100m-{family}": {"family": family, **LM100M} for family in ("llava_onevision", "internvl")},
+    **{f"tiny-{family}": {"family": family} for family in PLUGIN_FAMILIES},
+    **{f"lm100m-{family}": {"family": family, **LM100M} for family in PLUGIN_FAMILIES},
 }
 
 

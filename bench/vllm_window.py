@@ -14,8 +14,9 @@ the arms in alternating order, vLLM's prefix cache reset before each arm:
   transformers   the same GenerateLoop on the transformers engine (the whole model in process):
                  what a family gains from vLLM at all
 
-`--family llava_onevision` or `internvl`: the same LM in that family (its tiny tower), taken through
-visbatch's vLLM plugin (worker/engines/vllm_models.py); figures in vllm_window_<family>.json.
+`--family llava_onevision`, `internvl` or `idefics3`: the same LM in that family (its tiny tower),
+taken through visbatch's vLLM plugin (worker/engines/vllm_models.py); figures in
+vllm_window_<family>.json.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from pathlib import Path
 
 from bench.common import Check, arguments, bars, median, paired_ratio, rounded, write_result
 from bench.media import report_pdf
-from bench.models import bench_model
+from bench.models import PLUGIN_FAMILIES, bench_model
 
-FAMILIES = ("qwen2_vl", "llava_onevision", "internvl")
+FAMILIES = ("qwen2_vl", *PLUGIN_FAMILIES)
 PROMPTS = ["What is on this page?", "Is there a table? Answer yes or no."]
 NEW_TOKENS = (16, 64, 128, 256)
 VLLM = dict(gpu_memory_utilization=0.3, max_model_len=4096, max_num_seqs=256, enforce_eager=True)

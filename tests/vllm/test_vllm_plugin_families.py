@@ -117,3 +117,18 @@ def test_vllm_own_class_takes_mixed_sizes(architecture):
         upstream(type="image_embeds", data=[torch.zeros(469, 8), torch.zeros(217, 8)])
     except ValueError as exc:
         pytest.skip(f"vLLM's own {architecture} still refuses mixed sizes ({exc}): the plugin is needed")
+
+
+def test_vllm_own_idefics3_takes_embeddings():
+    """The day vLLM's own Idefics3 parses image embeddings with their layout (a data parser of its
+    own), the plugin registers nothing for it: this passes, then retire Idefics3AnySize."""
+    require_vllm()
+    from vllm.model_executor.models.idefics3 import Idefics3ProcessingInfo
+    from vllm.multimodal.processing import BaseProcessingInfo
+
+    from worker.engines import vllm_models
+
+    if Idefics3ProcessingInfo.get_data_parser is BaseProcessingInfo.get_data_parser:
+        pytest.skip("vLLM's own Idefics3 still writes each image's prompt from its size (no embeddings)")
+    upstream, _ = vllm_models.PLUGINS["Idefics3ForConditionalGeneration"]
+    assert not vllm_models._needs_plugin("Idefics3ForConditionalGeneration", upstream)
