@@ -117,9 +117,9 @@ class Idefics3Adapter(TiledImageAdapter):
         for i, visual in enumerate(images):
             span = self.tokenizer.encode(self.image_text(visual), add_special_tokens=False)
             start = _find(prompt_ids, span, at)
-            if start < 0:
+            if start < 0 or self.image_token_id in prompt_ids[at:start]:
                 raise ValueError(
-                    f"the prompt does not hold image {i + 1}'s tile layout {visual.grid_thw.tolist()}"
+                    f"the prompt does not hold image {i + 1}'s tile layout {visual.grid_thw.tolist()} next"
                 )
             out += prompt_ids[at:start] + [self.image_token_id]
             at = start + len(span)
