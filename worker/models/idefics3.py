@@ -25,6 +25,7 @@ the prompt sent carries ONE ``<image>`` per image (``collapse_image_placeholders
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -70,17 +71,31 @@ class Idefics3Adapter(TiledImageAdapter):
             raise ValueError("not a tile layout (1, rows, cols)")
         return self.tile_rule.tokens_for_tiles(rows, cols)
 
+    @cached_property
+    def vision_tower(self) -> torch.nn.Module:
+        """The Idefics3Model that runs `get_image_features` (tower, pixel shuffle, connector): the
+        whole model's when it is (or will be) loaded for generation; else a CPU load of the
+        checkpoint with its language model dropped, so that an encode worker beside vLLM holds no
+        second copy of the LM."""
+        if not self.vision_only or "model" in self.__dict__:
+            return self.model.model
+        import transformers
+
+        cls = getattr(transformers, self.model_class_name)
+        inner = cls.from_pretrained(self.ref.source, revision=self.ref.revision, dtype=self.dtype).model
+        inner.text_model = torch.nn.Module()  # its weights go with the dropped model
+        return inner.to(self.device).eval()
+
     @torch.inference_mode()
     def encode(self, images: list[Image.Image], bounds: PixelBounds | None = None) -> list[VisualTokens]:
-        # One sample per image, so that every image's tiles come back as one feature run. The tower
-        # is the whole model's (no vLLM engine takes this family, so nothing else holds the LM).
+        # One sample per image, so that every image's tiles come back as one feature run.
         inputs = self.processor.image_processor(
             images=[[image] for image in images],
             return_tensors="pt",
             return_row_col_info=True,
             **self._size_kwargs(bounds),
         )
-        features = self.model.model.get_image_features(
+        features = self.vision_tower.get_image_features(
             inputs["pixel_values"].to(self.device, self.dtype),
             inputs["pixel_attention_mask"].to(self.device),
         ).pooler_output
