@@ -68,7 +68,9 @@ def test_missing_image_is_an_error_on_the_unit(tokens):
     assert outcome.error and "missing" in outcome.error
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "internvl", "idefics3"])
+@pytest.mark.parametrize(
+    "family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "internvl", "idefics3"]
+)
 def test_vision_only_encode_equals_the_full_model(family_model_dir, family):
     """Beside vLLM an encode worker loads the tower alone: same tokens (and deepstack), no LM weights."""
     from worker.models import ModelRef, load_adapter
