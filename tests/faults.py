@@ -89,12 +89,11 @@ class TCPProxy:
             except OSError:
                 client.close()
                 continue
-            # Known flaw, kept for now: the upstream socket keeps the connect's 5-s timeout, so a
-            # connection idle for 5 s ends as if the server had closed it (every proxied worker
-            # logs a lost broker connection in its first seconds). With both ends blocking, the
-            # RabbitMQ outage tests of test_fleet_outages took 190-380 s each instead of fitting
-            # the module's budget: a worker's recovery after a RabbitMQ outage is slow when
-            # nothing else cuts its idle connections (issue 32, not yet explained).
+            # Both ends blocking, with no timeout: the connect's 5 s would stay on the upstream
+            # socket, and a connection idle for 5 s (a pooled Redis client between two sweeps,
+            # Celery's broadcast channel) would end as if the server had closed it.
+            for sock in (client, upstream):
+                sock.settimeout(None)
             with self._lock:
                 if not self._up.is_set():
                     # Accepted as the cut closed the listener: dropped like the others, not kept
