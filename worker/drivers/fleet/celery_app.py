@@ -74,6 +74,15 @@ def make_celery(settings: Settings) -> Celery:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
+        # Off: after a broker reconnect Celery lowers the prefetch count by the tasks still running
+        # and raises it again from each later ack's promise (Consumer.
+        # _restore_prefetch_count_after_connection_restart). In a thread pool (the GPU workers)
+        # that runs in the task's own thread, whose synchronous basic.qos then reads the consumer's
+        # connection beside the event loop (py-amqp is not thread-safe): frames torn apart
+        # (UnexpectedFrame) or deliveries swallowed, held unacknowledged until heartbeats failed or
+        # the stall watch resumed the job (187 s after a 3-s RabbitMQ cut; issue 32). The cost: for
+        # a task's length after a reconnect a worker may hold a message per busy slot more.
+        worker_enable_prefetch_count_reduction=False,
         task_time_limit=settings.task_time_limit,
         task_soft_time_limit=max(1, int(settings.task_time_limit * 0.9)),
         broker_transport_options=transport,
