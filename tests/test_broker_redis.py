@@ -156,3 +156,45 @@ def test_a_live_holders_message_stays_with_it(tmp_path):
             client.close()
     finally:
         server.stop()
+
+
+def test_held_jobs_reads_the_deliveries_workers_hold(tmp_path):
+    """consumers.held_jobs on a real broker: a stage task sent by the fleet's own app (its shipped
+    transport and a key prefix) and taken, not acknowledged, by a consumer names its job; once
+    acknowledged, none. What the stall watch needs to call a job's messages lost in seconds."""
+    from kombu import Consumer as KombuConsumer
+
+    from visbatch.settings import Settings
+    from worker.drivers.fleet.celery_app import make_celery, queue_name
+    from worker.drivers.fleet.consumers import held_jobs
+
+    server = RedisServer(tmp_path / "broker")
+    try:
+        settings = Settings(broker_url=server.url, broker_prefix="fleet7.")
+        app = make_celery(settings)
+        assert held_jobs(settings) == set()
+        app.send_task("visbatch.generate_units", args=["job-42", [3, 4]])
+        with app.connection_for_read() as connection:
+            queue = Queue(queue_name(settings, "generate"))
+            taken = []
+            consumer = KombuConsumer(
+                connection.default_channel,
+                [queue],
+                callbacks=[lambda body, m: taken.append(m)],
+                accept=["json"],
+            )
+            consumer.consume()
+            connection.drain_events(timeout=5)
+            assert len(taken) == 1
+            assert held_jobs(settings) == {"job-42"}
+            client = redis.Redis.from_url(server.url)
+            assert client.hlen("fleet7.unacked") == 1  # the prefixed key is the one read
+            taken[0].ack()
+            assert held_jobs(settings) == set()
+            # A held message that does not read as a stage task might be any job's: unknown.
+            client.hset("fleet7.unacked", "tag", b'[{"body": "bm90IGpzb24=", "properties": {}}, "", ""]')
+            assert held_jobs(settings) is None
+            client.close()
+        assert held_jobs(Settings(broker_url="amqp://guest:guest@127.0.0.1:5672//")) is None  # lists none
+    finally:
+        server.stop()

@@ -197,13 +197,24 @@ def _render_ahead(o: Outages, job: str, docs: list[Doc], *, start: bool = True) 
     return thread
 
 
-def _evidence(fleet: Fleet, since: dict[Path, int]) -> str:
-    pattern = re.compile(r"CRITICAL|ERROR|Traceback|Unrecoverable|exited unexpectedly|restart|retry|Error:")
+def _evidence_lines(fleet: Fleet, since: dict[Path, int]) -> list[str]:
+    """The workers' log lines written since `since`."""
     lines = []
     for path in sorted(fleet.tmp.glob("worker-*.log")):
         new = path.read_text(errors="replace")[since.get(path, 0) :]
-        hits = [line for line in new.splitlines() if pattern.search(line)]
-        lines += [f"{path.name}: {line[:300]}" for line in hits[:15]]
+        lines += [f"{path.name}: {line}" for line in new.splitlines()]
+    return lines
+
+
+def _evidence(fleet: Fleet, since: dict[Path, int]) -> str:
+    pattern = re.compile(r"CRITICAL|ERROR|Traceback|Unrecoverable|exited unexpectedly|restart|retry|Error:")
+    hits: dict[str, int] = {}
+    lines = []
+    for line in _evidence_lines(fleet, since):
+        name = line.split(":", 1)[0]
+        if pattern.search(line) and hits.get(name, 0) < 15:
+            hits[name] = hits.get(name, 0) + 1
+            lines.append(line[:300])
     return "\n".join(lines) or "(no error lines in the workers' logs)"
 
 
@@ -345,6 +356,43 @@ def test_postgres_stopped_during_ingest(outages, tmp_path):
 @REDIS
 def test_postgres_stopped_during_generate(outages, tmp_path):
     _fault_then_second_job(outages, tmp_path, "generate", lambda: outages.postgres.outage(POSTGRES_DOWN_S))
+
+
+@REDIS
+def test_a_message_lost_in_the_broker_is_sent_again_in_seconds(outages, tmp_path):
+    """A generate message popped by a client that then died (as a worker killed between kombu's
+    BRPOP and its record of the delivery, or a connection dead while Redis sent to it; issue 32):
+    in no queue and held by no worker. The stall watch sends it again once the job is idle for
+    LOST_AFTER_S, not after the threshold (120 s of no progress)."""
+    import redis
+
+    from visbatch.settings import Settings
+    from worker.drivers.fleet.stall_watch import LOST_AFTER_S
+
+    fleet = outages.fleet
+    since = _log_marks(fleet)
+    stolen: list[object] = []
+    client = redis.Redis.from_url(fleet.broker_url)
+    # Blocked before the job's first generate message exists, so first in Redis's line for it.
+    thief = threading.Thread(target=lambda: stolen.append(client.brpop([f"{fleet.prefix}generate"], 240)))
+    thief.start()
+    time.sleep(0.5)
+    docs = _docs(tmp_path, "a", (6, False))
+    job, ahead = _submit(outages, docs)
+    thief.join(timeout=240)
+    taken = time.monotonic()
+    assert stolen and stolen[0] is not None, f"no generate message of {job} taken\n{fleet.logs()}"
+    fleet.wait([job], timeout=JOB_TIMEOUT_S)
+    done_after = time.monotonic() - taken
+    client.close()
+    _check_job(outages, job, docs, since, ahead)
+    found = [line for line in _evidence_lines(fleet, since) if "none of its messages in the broker" in line]
+    assert found, f"the lost message was not sent again by the stall watch\n{_evidence(fleet, since)}"
+    print(f"job done {done_after:.0f} s after its message was lost ({found[0]})")
+    # The threshold needs 120 s of no progress after the loss at least; the lost path,
+    # LOST_AFTER_S of it and a sweep (30 s, jittered up to 45).
+    assert done_after < Settings().stall_after_s, done_after
+    assert done_after < LOST_AFTER_S + 1.5 * Settings().stall_check_s + 40, done_after
 
 
 @RABBITMQ

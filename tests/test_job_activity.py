@@ -148,5 +148,6 @@ def test_a_quiet_fleet_job_says_what_it_waits_for_from_the_first_seconds(db):
     assert lost is not None and lost["state"] == "quiet"
     assert lost["message"].startswith("no progress for 3")
     assert "no message of it waits in a queue" in lost["message"]
-    assert "the stall watch resumes it at 2m00s" in lost["message"]
+    assert "the stall watch sends them again once a Redis broker shows none held" in lost["message"]
+    assert "and resumes it at 2m00s" in lost["message"]
     assert "time left" not in _shown({**summary, "activity": lost})  # no ETA it would not keep

@@ -1,8 +1,10 @@
 """The fleet's safety net for stuck jobs (worker.drivers.fleet.stall_watch), on SQLite and PostgreSQL.
 
-At this level the broker is two seams: a recorder stands in for sending tasks (what would be put
-on each queue), and fixed queue states stand in for asking the broker how many messages and
-workers each queue has. "No progress for a while" is a sweep run at a later `now`, never a sleep.
+At this level the broker is three seams: a recorder stands in for sending tasks (what would be put
+on each queue), fixed queue states for asking the broker how many messages and workers each queue
+has, and a fixed set for the jobs whose messages workers hold (None, as RabbitMQ answers, unless a
+test says otherwise; tests/test_broker_redis.py reads a real Redis broker's). "No progress for a
+while" is a sweep run at a later `now`, never a sleep.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from storage.rows import UnitRow
 from storage.units import add_units, finish_units, mark_units_encoded
 from visbatch.settings import Settings
 from worker.drivers.fleet.consumers import QueueState
-from worker.drivers.fleet.stall_watch import resume_stalled_jobs
+from worker.drivers.fleet.stall_watch import LOST_AFTER_S, resume_stalled_jobs
 
 SETTINGS = Settings(stall_after_s=120, encode_chunk_units=2)
 SERVED = {stage: QueueState(messages=0, consumers=1) for stage in jobs.STAGES}
@@ -63,12 +65,13 @@ def _fleet_job(db: Database) -> tuple[str, int, int]:
     return started.job_id, source_a, source_b
 
 
-def _sweep(db: Database, later: float, recorder: Recorder, states=None):
+def _sweep(db: Database, later: float, recorder: Recorder, states=None, held=None):
     return resume_stalled_jobs(
         db,
         SETTINGS,
         send=recorder,
         states=lambda stages: states if states is not None else SERVED,
+        held=lambda: held,
         now=utcnow() + timedelta(seconds=later),
     )
 
@@ -128,6 +131,49 @@ def test_a_job_behind_queued_messages_or_without_a_worker_waits(db):
     assert _sweep(db, 600, recorder, unserved) == [] and recorder.sent == []
     # Neither was counted as a resume: once the queues are drained and served, it is resumed.
     assert [r.job_id for r in _sweep(db, 600, recorder)] == [job_id]
+
+
+def test_a_job_whose_messages_the_broker_shows_nowhere_is_sent_again_in_seconds(db):
+    # Issue 32: a message a worker had popped and not yet recorded when it was killed was in no
+    # record at all; only the threshold (120 s) brought it back. Redis shows every message a job
+    # has (its queues, the deliveries workers hold): none anywhere is lost.
+    job_id, _, _ = _fleet_job(db)
+    recorder = Recorder()
+    assert SETTINGS.stall_after_s > LOST_AFTER_S
+    assert _sweep(db, LOST_AFTER_S - 5, recorder, held=set()) == []  # not idle long enough
+    # A worker holds one of its messages, or the broker cannot tell (RabbitMQ): the threshold waits.
+    assert _sweep(db, LOST_AFTER_S + 10, recorder, held={job_id, "other"}) == []
+    assert _sweep(db, LOST_AFTER_S + 10, recorder, held=None) == []
+    backlog = {**SERVED, "ingest": QueueState(messages=2, consumers=1)}
+    assert _sweep(db, LOST_AFTER_S + 10, recorder, backlog, held=set()) == []
+    assert recorder.sent == []
+
+    (lost,) = _sweep(db, LOST_AFTER_S + 10, recorder, held={"another job"})
+    assert lost.job_id == job_id and lost.action == "lost"
+    units = jobs.outstanding_work(db, job_id)
+    assert recorder.stages() == ["ingest", "ingest", "encode", "generate"]  # what is left, once
+    assert recorder.sent[2:] == [
+        ("encode", (job_id, units.pending_units)),
+        ("generate", (job_id, units.encoded_units)),
+    ]
+    # Not again before it had the time to move; the threshold's resume still comes after that.
+    recorder.sent.clear()
+    assert _sweep(db, LOST_AFTER_S + 20, recorder, held=set()) == [] and recorder.sent == []
+    assert [r.action for r in _sweep(db, 2 * LOST_AFTER_S + 15, recorder, held=set())] == ["lost"]
+
+
+def test_sent_again_as_lost_a_failed_unit_stays_failed(db):
+    """Only the lost messages go again: unlike the threshold's resume (visbatch resume's), a failed
+    unit is not retried, and a job with nothing left to send waits for the threshold to close it."""
+    from storage.units import fail_units
+
+    job_id, _, _ = _fleet_job(db)
+    pending = jobs.outstanding_work(db, job_id).pending_units
+    fail_units(db, [(unit_id, "unreadable page") for unit_id in pending])
+    recorder = Recorder()
+    (lost,) = _sweep(db, LOST_AFTER_S + 10, recorder, held=set())
+    assert lost.action == "lost" and "encode" not in recorder.stages()
+    assert jobs.outstanding_work(db, job_id).pending_units == []
 
 
 def test_a_job_with_nothing_left_but_never_closed_is_closed(db):

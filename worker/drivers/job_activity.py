@@ -151,8 +151,8 @@ def _quiet(idle: float, needed: list[str], messages: dict[str, int], stall_after
         return f"{quiet}; messages wait in its queues ({queued}): the workers are busy or starting"
     return (
         f"{quiet} and no message of it waits in a queue: a worker holds them (a dead worker's come "
-        f"back once its heartbeat lapses) or they were lost; the stall watch resumes it at "
-        f"{format_duration(stall_after_s)}"
+        f"back once its heartbeat lapses) or they were lost; the stall watch sends them again "
+        f"once a Redis broker shows none held, and resumes it at {format_duration(stall_after_s)}"
     )
 
 

@@ -1,6 +1,7 @@
 """Which stage queues have a worker consuming them, and how many messages wait in each: what
 `visbatch submit` warns about, what `visbatch status` says, and what the stall watch asks before it
-calls a job stuck.
+calls a job stuck. On Redis also which jobs the workers hold messages of (`held_jobs`): with the
+queues, every message a job has, so the stall watch can tell a lost one in seconds.
 
 RabbitMQ knows its consumers: a passive queue declare answers with the queue's message and
 consumer counts in one round trip. Redis has none to ask (workers poll its lists), and Celery's
@@ -17,6 +18,8 @@ down already fails the submit itself).
 
 from __future__ import annotations
 
+import base64
+import json
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -104,6 +107,38 @@ def _amqp_states(settings: Settings, stages: Sequence[str], timeout: float) -> d
                 else:
                     states[stage] = QueueState(int(ok.message_count), int(ok.consumer_count))
     return states
+
+
+def held_jobs(settings: Settings, *, timeout: float = 5.0) -> set[str] | None:
+    """The jobs whose messages workers hold unacknowledged (Redis: kombu's `unacked` hash, every
+    delivery taken and not yet acknowledged, running or prefetched); None where the broker cannot
+    tell: RabbitMQ (it lists no unacknowledged message), no answer within `timeout`, or a held
+    message that does not read as a stage task (it might be any job's)."""
+    if not is_redis(settings.broker_url):
+        return None
+    try:
+        client = _redis(settings, timeout)
+        try:
+            entries = client.hvals(f"{settings.broker_prefix}unacked")
+        finally:
+            client.close()
+        return {_job_of(entry) for entry in entries}
+    except Exception:  # noqa: BLE001 - unknown is an answer here; the stall watch waits longer
+        return None
+
+
+def _job_of(entry: bytes) -> str:
+    """The job of one held delivery, as kombu's Redis QoS records it: JSON [message, exchange,
+    routing key], the message's body (base64 by default) Celery's protocol 2, [args, kwargs,
+    embed], and every stage task's first argument its job id."""
+    message = json.loads(entry)[0]
+    body = message["body"]
+    if message.get("properties", {}).get("body_encoding") == "base64":
+        body = base64.b64decode(body)
+    args = json.loads(body)[0]
+    if not args or not isinstance(args[0], str):
+        raise ValueError("not a stage task's message")
+    return args[0]
 
 
 def queue_depths(settings: Settings, stages: Sequence[str]) -> dict[str, int]:

@@ -22,12 +22,22 @@ lock; on SQLite the database file is the lock, and the claim below decides anywa
    pending source from its cursor, encode tasks for stored units, a generate task per encoded
    unit. Tasks are idempotent, so a message that was only slow, not lost, does no harm.
 
+On Redis the broker can show every message a job has: the waiting ones in its queues, the taken
+ones in kombu's record of unacknowledged deliveries (worker.drivers.fleet.consumers.held_jobs). A
+job idle for LOST_AFTER_S whose needed queues are empty and of which no worker holds a message has
+lost its messages, and is resumed then, not after the threshold. That happens when a worker dies
+between the broker's pop (BRPOP) and its record of the delivery, or while the broker sends to a
+connection already dead: one generate message of a job was lost so when a worker was SIGKILLed
+holding deliveries (tests/test_two_hosts.py), and came back only through this watch, 141 s after
+the kill. RabbitMQ lists no unacknowledged message, and hands a dropped connection's back itself.
+
 Nothing here may stop a worker: every error of a sweep is logged and the next sweep tries again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 import threading
@@ -50,11 +60,15 @@ from worker.drivers.job_activity import format_duration
 
 log = logging.getLogger(__name__)
 
+# Idle this long with no message anywhere in the broker: lost (the docstring); seconds.
+LOST_AFTER_S = 20.0
+
 # pg_try_advisory_xact_lock key of the sweep ("visb" in ASCII): one sweeper at a time per database.
 SWEEP_LOCK_KEY = 0x76697362
 
 Send = Callable[[str, tuple[Any, ...]], None]  # (stage, task args): put one task on the stage's queue
 QueueStates = Callable[[Sequence[str]], "dict[str, QueueState] | None"]
+HeldJobs = Callable[[], "set[str] | None"]  # the jobs workers hold messages of; None: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +77,7 @@ class Resumed:
 
     job_id: str
     idle_seconds: float
-    action: str  # "resumed" or "closed"
+    action: str  # "resumed", "closed", or "lost" (resumed early: no message of it in the broker)
     sent: dict[str, int]  # tasks sent per stage
 
 
@@ -78,6 +92,12 @@ def broker_states(settings: Settings) -> QueueStates:
     from worker.drivers.fleet.consumers import queue_states
 
     return lambda stages: queue_states(settings, stages, timeout=5.0)
+
+
+def broker_held(settings: Settings) -> HeldJobs:
+    from worker.drivers.fleet.consumers import held_jobs
+
+    return lambda: held_jobs(settings, timeout=5.0)
 
 
 @contextlib.contextmanager
@@ -99,24 +119,33 @@ def resume_stalled_jobs(
     *,
     send: Send = celery_send,
     states: QueueStates | None = None,
+    held: HeldJobs | None = None,
     now: datetime | None = None,
 ) -> list[Resumed]:
-    """One sweep: resume (or close) each stalled fleet job; returns what it did.
+    """One sweep: resume (or close) each stalled fleet job, and each job the broker shows lost;
+    returns what it did.
 
-    `send` and `states` are the broker seams (tests pass a recorder and fixed queue states).
+    `send`, `states` and `held` are the broker seams (tests pass a recorder, fixed queue states
+    and fixed held jobs).
     """
     now = now or utcnow()
     before = now - timedelta(seconds=settings.stall_after_s)
+    before_lost = now - timedelta(seconds=min(LOST_AFTER_S, settings.stall_after_s))
     states = states or broker_states(settings)
+    held = held or broker_held(settings)
     done: list[Resumed] = []
     with _sweep_lock(db) as holder:
         if not holder:
             return done
+        stalled = {job_id for job_id, _ in jobs.stall_candidates(db, before)}
         seen: dict[str, QueueState] | None = None
-        for job_id, progress_at in jobs.stall_candidates(db, before):
+        held_once = functools.cache(held)  # asked at most once a sweep, and only when needed
+        for job_id, progress_at in jobs.stall_candidates(db, before_lost):
             idle = (now - progress_at).total_seconds()
-            work = jobs.outstanding_work(db, job_id)
-            needed = work.stages()
+            needed = jobs.outstanding_work(db, job_id).stages()
+            lost = job_id not in stalled  # idle, not yet for the threshold: only if shown lost
+            if lost and not needed:
+                continue  # nothing to send; closing a job that was never closed waits the threshold
             if needed:
                 if seen is None:
                     seen = states(jobs.STAGES)
@@ -127,10 +156,14 @@ def resume_stalled_jobs(
                 if why_not:
                     log.debug("stall watch: job %s idle %.0f s but %s", job_id, idle, why_not)
                     continue
-            if not jobs.claim_stalled(db, job_id, before, now):
+            if lost:
+                known = held_once()  # None: the broker cannot show held messages; the threshold waits
+                if known is None or job_id in known:
+                    continue
+            if not jobs.claim_stalled(db, job_id, before_lost if lost else before, now):
                 continue  # another sweeper took it, or it moved meanwhile
             try:
-                done.append(_act(db, settings, job_id, idle, send))
+                done.append(_act(db, settings, job_id, idle, send, lost=lost))
             except jobs.JobNotFound:
                 continue  # deleted meanwhile
     return done
@@ -150,7 +183,22 @@ def _still_served(seen: dict[str, QueueState], needed: Sequence[str]) -> str | N
     return None
 
 
-def _act(db: Database, settings: Settings, job_id: str, idle: float, send: Send) -> Resumed:
+def _act(db: Database, settings: Settings, job_id: str, idle: float, send: Send, *, lost: bool) -> Resumed:
+    if lost:
+        # Only the lost messages are sent again: the job's rows and counts are right, and a failed
+        # unit stays failed (retrying it is `visbatch resume`'s, or the threshold's).
+        sent = send_outstanding(jobs.outstanding_work(db, job_id), job_id, settings, send)
+        log.warning(
+            "job %s: no progress for %s and none of its messages in the broker (not queued, held by no "
+            "worker): lost with a worker that died?; sent again by the stall watch (%d source(s) to "
+            "ingest, %d unit(s) to encode, %d to generate)",
+            job_id,
+            format_duration(idle),
+            sent["ingest"],
+            sent["encode_units"],
+            sent["generate"],
+        )
+        return Resumed(job_id, idle, "lost", sent)
     if not jobs.outstanding_work(db, job_id).stages():
         status = jobs.close_job(db, job_id)
         log.warning(
