@@ -288,6 +288,14 @@ def test_7_jobs_shows_whole_dates_and_counts_errors(schema_run, first_run, home)
     assert re.search(r"failed\s+\d{4}-\d\d-\d\d \d\d:\d\d\s+1\s+2\s+0\s+2$", failed), failed
     good = next(line for line in lines if line.startswith(_job(first_run)[:12]))
     assert re.search(r"succeeded\s+\S+ \S+\s+2\s+4\s+8\s+0$", good), good
+    # For scripts: the same jobs and counts as one JSON array, full ids, nothing on stdout besides.
+    listed = json.loads(visbatch(_env(home), "jobs", "--json").out)
+    by_id = {item["id"]: item for item in listed}
+    assert [item["id"][:12] for item in listed] == [line.split()[0] for line in lines[1:]]
+    failed_item, good_item = by_id[_job(schema_run)], by_id[_job(first_run)]
+    assert (failed_item["status"], failed_item["answers"], failed_item["errors"]) == ("failed", 0, 2)
+    assert (good_item["status"], good_item["stored_status"]) == ("succeeded", "succeeded")
+    assert (good_item["sources_total"], good_item["units_total"], good_item["answers"]) == (2, 4, 8)
 
 
 # 8 ---------------------------------------------------------------------------------------------

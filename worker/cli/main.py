@@ -496,17 +496,30 @@ def results(
 @app.command()
 def jobs(
     limit: Annotated[int, typer.Option(metavar="N", min=1, help="How many, newest first.")] = 20,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="One JSON array, one object per job, newest first.")
+    ] = False,
 ) -> None:
     """List recent jobs with their counts.
 
     Each job's status, when it was made, and how many sources, pages/frames, answers and
     errors it has."""
-    from rich.table import Table
-
     from storage.jobs import list_jobs
     from worker.drivers.job_activity import shown_status
 
     db = stored_database(Settings())
+    listed = []
+    for item in list_jobs(db, limit=limit):
+        errors = sum(int(item.get(key) or 0) for key in ("sources_failed", "units_failed", "results_failed"))
+        answers = int(item.get("results_total") or 0) - int(item.get("results_failed") or 0)
+        # `status` as shown (`interrupted` derived), the stored one beside it, and the table's counts.
+        listed.append({**item, "status": shown_status(item), "stored_status": item["status"],
+                       "answers": answers, "errors": errors})  # fmt: skip
+    if as_json:
+        print(json.dumps(listed, default=str, indent=2))  # plain print: no wrapping, no style
+        return
+    from rich.table import Table
+
     # No borders, nothing cut: fits 80 columns with a 12-digit id (any unique prefix works).
     table = Table(box=None, pad_edge=False, show_edge=False)
     for name in ("id", "status", "created (UTC)", "sources", "pages", "answers", "errors"):
@@ -515,19 +528,14 @@ def jobs(
             no_wrap=True,
             justify="right" if name in ("sources", "pages", "answers", "errors") else "left",
         )
-    interrupted: list[str] = []
-    for item in list_jobs(db, limit=limit):
-        shown = shown_status(item)
-        if shown == "interrupted":
-            interrupted.append(item["id"][:12])
+    for item in listed:
         created = str(item["created_at"] or "")[:16].replace("T", " ")
-        errors = sum(int(item.get(key) or 0) for key in ("sources_failed", "units_failed", "results_failed"))
-        answers = int(item.get("results_total") or 0) - int(item.get("results_failed") or 0)
         table.add_row(
-            item["id"][:12], shown, created, str(item.get("sources_total") or 0),
-            str(item.get("units_total") or 0), str(answers), str(errors),
+            item["id"][:12], item["status"], created, str(item.get("sources_total") or 0),
+            str(item.get("units_total") or 0), str(item["answers"]), str(item["errors"]),
         )  # fmt: skip
     out.print(table)
+    interrupted = [item["id"][:12] for item in listed if item["status"] == "interrupted"]
     if interrupted:  # stderr: the table stays what a script reads
         which = "the process that ran it is gone; continue it"
         if len(interrupted) > 1:
