@@ -305,7 +305,9 @@ def test_every_numeric_option_refuses_negative_and_zero_up_front(command, tmp_pa
             lines = _error_lines(done.output)
             assert done.exit_code == 2, (command, flag, value, done.output)
             assert lines[0].startswith("error: ") and flag in lines[0], (command, flag, value, done.output)
-            assert lines[1].startswith("fix: ") and "unexpected" not in done.output
+            # The fix is the option's own help line (what it takes, its range), not just "see --help".
+            assert lines[1].startswith("fix: -") and f"{flag} " in lines[1], (command, flag, lines)
+            assert "unexpected" not in done.output
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing made: no database, no folder
 
 
@@ -326,6 +328,11 @@ def test_plan_refuses_a_negative_cost_before_printing_the_table(tmp_path):
     lines = _plain(done, 2)  # was: the table, then "unexpected ValueError: math domain error", exit 5
     # click's words for the range (typer before 0.29; pyproject keeps it there)
     assert lines[0] == "error: Invalid value for '--gpu-cost-per-hour': -1.0 is not in the range x>=0."
+    # The option's own help line, not only a pointer to the whole --help (was "see `... --help`").
+    assert lines[1] == (
+        "fix: --gpu-cost-per-hour USD: USD per GPU-hour (with --throughput). [x>=0] "
+        "(more: `visbatch plan --help`)"
+    )
     assert done.out == ""
 
 

@@ -384,10 +384,29 @@ class JobOptions:
         try:
             return build()
         except ValidationError as exc:
-            fix = "see help(visbatch.run)" if self.python else "see the command's --help"
+            fix = "see help(visbatch.run)" if self.python else _command_line_fix(exc)
             raise UserError(describe_option_error(exc, self.values, python=self.python), fix) from None
         except ValueError as exc:
             raise UserError(str(exc)) from None
+
+
+def _field_of(error: dict[str, Any]) -> str:
+    """The job-spec field a pydantic error is about ("" for the spec as a whole)."""
+    return next((str(part) for part in reversed(error["loc"]) if isinstance(part, str)), "")
+
+
+def _flag_of(field: str) -> str:
+    return _FIELD_FLAGS.get(field, "--" + field.replace("_", "-") if field else "the options")
+
+
+def _command_line_fix(exc: Any) -> str:
+    """The first failing option's own help line in the running command (what it takes, its
+    default and range); the command's --help where there is none."""
+    from worker.cli.group import option_fix
+
+    errors = exc.errors(include_url=False, include_input=False)
+    fix = option_fix(_flag_of(_field_of(errors[0]))) if errors else None
+    return fix or "see the command's --help"
 
 
 def describe_option_error(exc: Any, values: dict[str, Any], *, python: bool = False) -> str:
@@ -395,7 +414,7 @@ def describe_option_error(exc: Any, values: dict[str, Any], *, python: bool = Fa
     callers), one clause per problem, no URLs."""
     problems = []
     for error in exc.errors(include_url=False, include_input=False):
-        field = next((str(part) for part in reversed(error["loc"]) if isinstance(part, str)), "")
+        field = _field_of(error)
         message = error["msg"].removeprefix("Value error, ")
         name = {"prompts": "prompt", "json_schema": "schema"}.get(field, field)
         value = values.get(name)
@@ -403,7 +422,7 @@ def describe_option_error(exc: Any, values: dict[str, Any], *, python: bool = Fa
         if python:
             where = f"{name}={value!r}" if plain else (name or "the options")
         else:
-            flag = _FIELD_FLAGS.get(field, "--" + field.replace("_", "-") if field else "the options")
+            flag = _flag_of(field)
             where = f"{flag} {value}" if plain else flag
         problems.append(f"{where}: {message[:1].lower()}{message[1:]}")
     return "; ".join(problems) or str(exc)

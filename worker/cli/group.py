@@ -29,8 +29,10 @@ from worker.errors import UserError, explain, first_line
 
 try:  # typer vendors click (typer._click): its usage errors are not the click package's
     from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+    from typer._click.globals import get_current_context
 except ImportError:  # pragma: no cover - an older typer on the click package
     from click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+    from click.globals import get_current_context
 
 
 def _plain_arguments(command: Any) -> Any:
@@ -79,8 +81,7 @@ class VisbatchGroup(TyperGroup):
         except UsageError as exc:
             if debug_enabled(ctx):
                 raise
-            command = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
-            report(UserError(exc.format_message(), f"see `{command} --help`"))
+            report(UserError(exc.format_message(), _usage_fix(exc, ctx)))
             raise typer.Exit(EXIT_USAGE) from None
         except ClickException:
             raise
@@ -100,3 +101,34 @@ class VisbatchGroup(TyperGroup):
                 raise typer.Exit(EXIT_INTERNAL) from None
             report(error)
             raise typer.Exit(exit_code(error)) from None
+
+
+def _usage_fix(exc: UsageError, ctx: Any) -> str:
+    """The fix of a usage error: where it is about one option, that option's own help line, then
+    where the rest is; else the command's --help."""
+    context = exc.ctx if exc.ctx is not None else ctx
+    param = getattr(exc, "param", None)
+    return (param is not None and _help_fix(context, param)) or f"see `{context.command_path} --help`"
+
+
+def option_fix(flag: str) -> str | None:
+    """The running command's option `flag` as a fix (for errors found after parsing: the job
+    spec's checks); None outside a command or for a flag it does not have."""
+    context = get_current_context(silent=True)
+    if context is None:
+        return None
+    param = next((p for p in context.command.params if flag in getattr(p, "opts", ())), None)
+    return _help_fix(context, param) if param is not None else None
+
+
+def _help_fix(context: Any, param: Any) -> str | None:
+    """`--limit N: How many, newest first. [default: 20; x>=1] (more: `visbatch jobs --help`)`:
+    what the option takes, its default and range, from its own help line."""
+    try:
+        record = param.get_help_record(context)
+    except Exception:  # noqa: BLE001 - a help line that cannot be made: the caller's pointer
+        return None
+    if not record:
+        return None
+    names, text = record
+    return f"{names}: {' '.join(text.split())} (more: `{context.command_path} --help`)"
