@@ -258,6 +258,15 @@ _FIELD_FLAGS = {
 }
 
 
+@dataclass
+class OptionError(UserError):
+    """A command-line job option refused by the job spec's checks. `flag` is the first option
+    named: the command line (worker.cli.job_options) gives that option's own help line as the
+    fix, which this module cannot (it knows no command)."""
+
+    flag: str | None = None
+
+
 class JobOptions:
     """The values of a command's (or a Python call's) job options, and the JobSpec they make."""
 
@@ -384,8 +393,12 @@ class JobOptions:
         try:
             return build()
         except ValidationError as exc:
-            fix = "see help(visbatch.run)" if self.python else _command_line_fix(exc)
-            raise UserError(describe_option_error(exc, self.values, python=self.python), fix) from None
+            errors = exc.errors(include_url=False, include_input=False)
+            message = describe_option_error(exc, self.values, python=self.python)
+            if self.python:
+                raise UserError(message, "see help(visbatch.run)") from None
+            flag = _flag_of(_field_of(errors[0])) if errors else None
+            raise OptionError(message, "see the command's --help", flag=flag) from None
         except ValueError as exc:
             raise UserError(str(exc)) from None
 
@@ -397,16 +410,6 @@ def _field_of(error: dict[str, Any]) -> str:
 
 def _flag_of(field: str) -> str:
     return _FIELD_FLAGS.get(field, "--" + field.replace("_", "-") if field else "the options")
-
-
-def _command_line_fix(exc: Any) -> str:
-    """The first failing option's own help line in the running command (what it takes, its
-    default and range); the command's --help where there is none."""
-    from worker.cli.group import option_fix
-
-    errors = exc.errors(include_url=False, include_input=False)
-    fix = option_fix(_flag_of(_field_of(errors[0]))) if errors else None
-    return fix or "see the command's --help"
 
 
 def describe_option_error(exc: Any, values: dict[str, Any], *, python: bool = False) -> str:

@@ -117,6 +117,7 @@ def option_fix(flag: str) -> str | None:
     context = get_current_context(silent=True)
     if context is None:
         return None
+    flag = flag.split("/")[0]  # --skip-redundant-frames/--keep-all-frames: the first names it
     param = next((p for p in context.command.params if flag in getattr(p, "opts", ())), None)
     return _help_fix(context, param) if param is not None else None
 

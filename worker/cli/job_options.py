@@ -11,12 +11,14 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Annotated, Any
 
 import typer
 from typer.core import TyperCommand
 
-from worker.job_options import JOB_GROUPS, REQUIRED, JobOptions, Opt, options_of
+from worker.cli.group import option_fix
+from worker.job_options import JOB_GROUPS, REQUIRED, JobOptions, Opt, OptionError, options_of
 
 try:  # typer vendors click (typer._click): its context and errors are not the click package's
     from typer._click.core import Context
@@ -92,7 +94,11 @@ def job_options(
             ctx = get_current_context(silent=True)
             if values.get("then") and ctx is not None and _ORDER in ctx.meta:
                 values["then_after"] = _then_after(ctx.meta[_ORDER])
-            return fn(job=JobOptions(values), **kwargs)
+            try:
+                return fn(job=JobOptions(values), **kwargs)
+            except OptionError as exc:  # the spec's checks, inside the command: its context is current
+                better = option_fix(exc.flag) if exc.flag else None
+                raise replace(exc, fix=better or exc.fix) from None
 
         command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         command.__annotations__ = {p.name: p.annotation for p in params}
