@@ -165,6 +165,21 @@ class ModelAdapter(ABC):
         model = cls.from_pretrained(self.ref.source, revision=self.ref.revision, dtype=self.dtype)
         return model.to(self.device).eval()
 
+    def inner_model_for_encoding(self, language_model: str) -> torch.nn.Module:
+        """The inner model (`.model`: tower, connector, language model) of the whole model when it
+        is (or will be) loaded for generation; else a CPU load of the checkpoint (every published
+        key layout maps as transformers maps it) with its language model (the inner model's
+        attribute `language_model`) dropped, so that an encode worker beside vLLM holds no second
+        copy of the LM. For families whose `get_image_features` is the inner model's."""
+        if not self.vision_only or "model" in self.__dict__:
+            return self.model.model
+        import transformers
+
+        cls = getattr(transformers, self.model_class_name)
+        inner = cls.from_pretrained(self.ref.source, revision=self.ref.revision, dtype=self.dtype).model
+        setattr(inner, language_model, torch.nn.Module())  # its weights go with the dropped model
+        return inner.to(self.device).eval()
+
     @abstractmethod
     def encode(self, images: list[Image.Image], bounds: PixelBounds | None = None) -> list[VisualTokens]:
         """Run the vision tower over a batch of images (resized within `bounds`)."""

@@ -73,18 +73,9 @@ class Idefics3Adapter(TiledImageAdapter):
 
     @cached_property
     def vision_tower(self) -> torch.nn.Module:
-        """The Idefics3Model that runs `get_image_features` (tower, pixel shuffle, connector): the
-        whole model's when it is (or will be) loaded for generation; else a CPU load of the
-        checkpoint with its language model dropped, so that an encode worker beside vLLM holds no
-        second copy of the LM."""
-        if not self.vision_only or "model" in self.__dict__:
-            return self.model.model
-        import transformers
-
-        cls = getattr(transformers, self.model_class_name)
-        inner = cls.from_pretrained(self.ref.source, revision=self.ref.revision, dtype=self.dtype).model
-        inner.text_model = torch.nn.Module()  # its weights go with the dropped model
-        return inner.to(self.device).eval()
+        """The Idefics3Model that runs `get_image_features` (tower, pixel shuffle, connector), without
+        its language model where vLLM generates (ModelAdapter.inner_model_for_encoding)."""
+        return self.inner_model_for_encoding("text_model")
 
     @torch.inference_mode()
     def encode(self, images: list[Image.Image], bounds: PixelBounds | None = None) -> list[VisualTokens]:

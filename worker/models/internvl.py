@@ -100,18 +100,9 @@ class InternVLAdapter(TiledImageAdapter):
 
     @cached_property
     def vision_tower(self) -> torch.nn.Module:
-        """The InternVLModel that runs `get_image_features` (tower, pixel shuffle, projector): the
-        whole model's when it is (or will be) loaded for generation; else a CPU load of the
-        checkpoint (every published key layout maps as transformers maps it) with its language
-        model dropped, so that an encode worker beside vLLM holds no second copy of the LM."""
-        if not self.vision_only or "model" in self.__dict__:
-            return self.model.model
-        import transformers
-
-        cls = getattr(transformers, self.model_class_name)
-        inner = cls.from_pretrained(self.ref.source, revision=self.ref.revision, dtype=self.dtype).model
-        inner.language_model = torch.nn.Module()  # its weights go with the dropped model
-        return inner.to(self.device).eval()
+        """The InternVLModel that runs `get_image_features` (tower, pixel shuffle, projector), without
+        its language model where vLLM generates (ModelAdapter.inner_model_for_encoding)."""
+        return self.inner_model_for_encoding("language_model")
 
     @torch.inference_mode()
     def encode(self, images: list[Image.Image], bounds: PixelBounds | None = None) -> list[VisualTokens]:
