@@ -121,7 +121,7 @@ class Idefics3Adapter(TiledImageAdapter):
         out: list[int] = []
         at = 0
         for i, visual in enumerate(images):
-            span = self.tokenizer.encode(self.image_text(visual), add_special_tokens=False)
+            span = self._image_ids(visual)
             start = _find(prompt_ids, span, at)
             if start < 0 or self.image_token_id in prompt_ids[at:start]:
                 raise ValueError(
@@ -132,6 +132,15 @@ class Idefics3Adapter(TiledImageAdapter):
         if self.image_token_id in prompt_ids[at:]:
             raise ValueError(f"the prompt has image placeholders beyond its {len(images)} image(s)")
         return out + prompt_ids[at:]
+
+    def _image_ids(self, visual: VisualTokens) -> list[int]:
+        """The token ids of an image's expansion, tokenized once per tile layout (every request of
+        a vLLM batch looks its images' up: the same few layouts over and over)."""
+        layout = tuple(int(x) for x in visual.grid_thw.view(-1))
+        spans = self.__dict__.setdefault("_image_spans", {})
+        if layout not in spans:
+            spans[layout] = self.tokenizer.encode(self.image_text(visual), add_special_tokens=False)
+        return spans[layout]
 
     def image_text(self, visual: VisualTokens | None) -> str:
         processor = self.processor
