@@ -397,7 +397,8 @@ class JobOptions:
             message = describe_option_error(exc, self.values, python=self.python)
             if self.python:
                 raise UserError(message, "see help(visbatch.run)") from None
-            flag = _flag_of(_field_of(errors[0])) if errors else None
+            field = _field_of(errors[0]) if errors else ""
+            flag = _flag_of(field) if field else None  # none for the spec as a whole
             raise OptionError(message, "see the command's --help", flag=flag) from None
         except ValueError as exc:
             raise UserError(str(exc)) from None
