@@ -98,22 +98,12 @@ def test_asking_vllm_for_such_a_family_is_a_clear_error(monkeypatch):
 
 
 def test_real_adapters_say_whether_vllm_takes_them():
+    from tests.model_fixtures import FAMILIES
     from worker.models import adapter_class
 
-    # LLaVA-OneVision, InternVL and Idefics3 through visbatch's vLLM plugin
+    # Every family; LLaVA-OneVision, InternVL and Idefics3 through visbatch's vLLM plugin
     # (tests/vllm/test_vllm_plugin_families.py).
-    for family in (
-        "qwen2_vl",
-        "qwen2_5_vl",
-        "qwen3_vl",
-        "qwen3_vl_moe",
-        "llava_onevision",
-        "internvl",
-        "idefics3",
-    ):
-        assert adapter_class(family).vllm_unsupported is None, family
-    from tests.model_fixtures import FAMILIES
-
+    assert [f for f in FAMILIES if adapter_class(f).vllm_unsupported is not None] == []
     assert {f for f in FAMILIES if adapter_class(f).vllm_needs_plugin} == {
         "llava_onevision",
         "internvl",
@@ -123,7 +113,7 @@ def test_real_adapters_say_whether_vllm_takes_them():
 
 @pytest.mark.parametrize("family", ["llava_onevision", "internvl", "idefics3"])
 def test_plugin_families_run_on_vllm_in_process_and_on_a_server_said_to_have_the_plugin(monkeypatch, family):
-    """LLaVA-OneVision and InternVL need visbatch's vLLM plugin (worker/engines/vllm_models.py):
+    """LLaVA-OneVision, InternVL and Idefics3 need visbatch's vLLM plugin (vllm_models.py):
     `auto` picks vLLM for them as for Qwen, the in-process engine takes them, and the openai engine
     refuses them at job start, before any request (a `vllm serve` started without visbatch would
     die on two page sizes), unless VISBATCH_LLM_SERVER_PLUGIN says its server has the plugin
