@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
-# Budget: the README's tour, its Python example and docs/sql.md's queries on both databases, run as
-# written (109 s on a busy 2-core machine, 2026-12-02); to be tightened (issue 20).
-pytestmark = pytest.mark.budget(200, reason="the README's tour and docs/sql.md's queries run as written")
+# Budget: the README's tour, the windows example, the Python example and docs/sql.md's queries on
+# both databases, run as written: 121-150 s in a quiet hour of this 2-core VM, 169 s in a slow one
+# (2026-12-04); 240 s leaves the slow hour the headroom other modules have, so a slow VM cannot
+# fail CI on a budget while a grown test still would.
+pytestmark = pytest.mark.budget(240, reason="the README's tour and docs/sql.md's queries run as written")
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
