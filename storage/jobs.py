@@ -722,20 +722,23 @@ def _stalled_since(before: datetime) -> Any:
     )
 
 
-def stall_candidates(db: Database, before: datetime, limit: int = 100) -> list[tuple[str, datetime]]:
-    """(id, last progress) of the fleet jobs (their sources have a location: submitted, not run in
-    one process) running with no progress and no automatic resume since `before`, longest still first."""
+def stall_candidates(
+    db: Database, before: datetime, *, threshold: datetime, limit: int = 100
+) -> list[tuple[str, datetime, bool]]:
+    """(id, last progress, stalled) of the fleet jobs (their sources have a location: submitted,
+    not run in one process) running with no progress and no automatic resume since `before`,
+    longest still first; `stalled`: none since `threshold` (earlier than `before`) either."""
     fleet = (
         select(SOURCES.c.id).where(SOURCES.c.job_id == JOBS.c.id, SOURCES.c.location.is_not(None)).exists()
     )
     stmt = (
-        select(JOBS.c.id, JOBS.c.updated_at)
+        select(JOBS.c.id, JOBS.c.updated_at, _stalled_since(threshold).label("stalled"))
         .where(_stalled_since(before), fleet)
         .order_by(JOBS.c.updated_at)
         .limit(limit)
     )
     with db.session(readonly=True) as session:
-        return [(row.id, row.updated_at) for row in session.execute(stmt)]
+        return [(row.id, row.updated_at, bool(row.stalled)) for row in session.execute(stmt)]
 
 
 def claim_stalled(db: Database, job_id: str, before: datetime, now: datetime) -> bool:

@@ -137,13 +137,12 @@ def resume_stalled_jobs(
     with _sweep_lock(db) as holder:
         if not holder:
             return done
-        stalled = {job_id for job_id, _ in jobs.stall_candidates(db, before)}
         seen: dict[str, QueueState] | None = None
         held_once = functools.cache(held)  # asked at most once a sweep, and only when needed
-        for job_id, progress_at in jobs.stall_candidates(db, before_lost):
+        for job_id, progress_at, stalled in jobs.stall_candidates(db, before_lost, threshold=before):
             idle = (now - progress_at).total_seconds()
             needed = jobs.outstanding_work(db, job_id).stages()
-            lost = job_id not in stalled  # idle, not yet for the threshold: only if shown lost
+            lost = not stalled  # idle, not yet for the threshold: only if shown lost
             if lost and not needed:
                 continue  # nothing to send; closing a job that was never closed waits the threshold
             if needed:
