@@ -18,10 +18,13 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlparse
 
 from storage.keys import UnsafeKey, check_key
+
+if TYPE_CHECKING:
+    from visbatch.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,19 @@ _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 
 class ObjectNotFound(KeyError):
     pass
+
+
+class StoreUrlError(ValueError):
+    """A URL that names no object store (a scheme other than file/s3, a bad bucket name, an unsafe
+    prefix); ``setting``: the variable it came from, where the caller knows it."""
+
+    FORMS = "file:///FOLDER or s3://BUCKET/PREFIX (a bucket: 3-63 lowercase letters, digits, dots, hyphens)"
+
+    def __init__(self, url: str, reason: str, setting: str | None = None) -> None:
+        super().__init__(f"{url}: {reason}")
+        self.url = url
+        self.reason = reason
+        self.setting = setting
 
 
 class ObjectStore(Protocol):
@@ -185,14 +201,40 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     """``s3://bucket/some/prefix/`` -> ("bucket", "some/prefix") (prefix checked, no slashes at ends)."""
     parsed = urlparse(url)
     if parsed.scheme != "s3":
-        raise ValueError(f"not an s3:// URL: {url!r}")
+        raise StoreUrlError(url, "not an s3:// URL")
     bucket = parsed.netloc
     if not _BUCKET.match(bucket):
-        raise ValueError(f"invalid S3 bucket name {bucket!r}")
+        raise StoreUrlError(url, f"invalid S3 bucket name {bucket!r}")
     prefix = parsed.path.strip("/")
     if prefix:
-        check_key(prefix)
+        try:
+            check_key(prefix)
+        except UnsafeKey as exc:
+            raise StoreUrlError(url, f"unsafe prefix: {exc}") from None
     return bucket, prefix
+
+
+def _store_location(url: str) -> tuple[str, str, str]:
+    """("file", folder, "") or ("s3", bucket, prefix): the URL parsed, nothing opened."""
+    parsed = urlparse(url)
+    if parsed.scheme in ("", "file"):
+        return "file", parsed.path if parsed.scheme else url, ""
+    if parsed.scheme == "s3":
+        return "s3", *parse_s3_url(url)
+    raise StoreUrlError(url, f"unsupported scheme {parsed.scheme!r}")
+
+
+def check_store_urls(settings: Settings) -> None:
+    """Parse the settings' object store URLs without opening them (no I/O): a typo is the
+    command's error up front, naming the variable, not a failure inside a job already started
+    (or a worker's child started again and again)."""
+    for setting, url in (("VISBATCH_STORE_URL", settings.object_store_url()),
+                         ("VISBATCH_CACHE_COLD_URL", settings.cache_cold_url)):  # fmt: skip
+        try:
+            if url:
+                _store_location(url)
+        except StoreUrlError as exc:
+            raise StoreUrlError(exc.url, exc.reason, setting) from None
 
 
 class S3ObjectStore:
@@ -208,7 +250,7 @@ class S3ObjectStore:
         transfer_config: Any | None = None,
     ) -> None:
         if not _BUCKET.match(bucket):
-            raise ValueError(f"invalid S3 bucket name {bucket!r}")
+            raise StoreUrlError(f"s3://{bucket}", f"invalid S3 bucket name {bucket!r}")
         prefix = prefix.strip("/")
         if prefix:
             check_key(prefix)
@@ -342,10 +384,7 @@ def iter_s3_uris(
 
 def open_object_store(url: str, *, endpoint_url: str | None = None) -> ObjectStore:
     """``file:///folder`` (or a plain path) or ``s3://bucket/prefix`` (``endpoint_url`` for non-AWS S3)."""
-    parsed = urlparse(url)
-    if parsed.scheme in ("", "file"):
-        return LocalObjectStore(Path(parsed.path if parsed.scheme else url))
-    if parsed.scheme == "s3":
-        bucket, prefix = parse_s3_url(url)
-        return S3ObjectStore(bucket, prefix, endpoint_url=endpoint_url)
-    raise ValueError(f"unsupported object store URL scheme {parsed.scheme!r} (use file://... or s3://...)")
+    kind, where, prefix = _store_location(url)
+    if kind == "file":
+        return LocalObjectStore(Path(where))
+    return S3ObjectStore(where, prefix, endpoint_url=endpoint_url)

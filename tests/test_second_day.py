@@ -247,6 +247,30 @@ def test_a_database_url_typo_names_the_variable_and_the_schemes(tmp_path, url, r
     assert "secret-pw" not in done.err
 
 
+@pytest.mark.parametrize(
+    ("variable", "url", "reason"),
+    [
+        ("VISBATCH_STORE_URL", "s3://fc/store", "invalid S3 bucket name 'fc'"),
+        ("VISBATCH_CACHE_COLD_URL", "gs://bucket/tokens", "unsupported scheme 'gs'"),
+    ],
+)
+def test_an_object_store_url_typo_names_the_variable_before_any_job(home, tmp_path, variable, url, reason):
+    # Was: `run` made the job, then "unexpected ValueError: invalid S3 bucket name ... report it"
+    # (exit 5, the job left running); a worker's child exited on it and was started again.
+    write_pdf(tmp_path / "a.pdf", pages=1)
+    env = _env(tmp_path / "home", **{variable: url})
+    for args in (("run", str(tmp_path / "a.pdf"), "-p", Q1), ("worker", "--queues", "ingest")):
+        done = visbatch(env, *args)
+        lines = _plain(done, 2)
+        assert lines == [
+            f"error: {variable} {url}: {reason}",
+            f"fix: correct {variable}: file:///FOLDER or s3://BUCKET/PREFIX (a bucket: 3-63 lowercase "
+            "letters, digits, dots, hyphens)",
+        ], (args, done.err)
+        assert done.out == "" and "model:" not in done.err
+    assert not (tmp_path / "home").exists()  # no database, no job
+
+
 # 3. cheap checks before the model -------------------------------------------------------------
 def test_run_reports_a_database_down_before_loading_the_model(home, tmp_path, closed_port):
     write_pdf(tmp_path / "a.pdf", pages=1)

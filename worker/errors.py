@@ -117,6 +117,12 @@ def explain(exc: BaseException) -> UserError | None:
             f"correct VISBATCH_DATABASE_URL: {DatabaseUrlError.SUPPORTED} (unset, it is a SQLite "
             "file under $VISBATCH_HOME)",
         )
+    from storage.object_store import StoreUrlError
+
+    if isinstance(exc, StoreUrlError):
+        setting = exc.setting or "VISBATCH_STORE_URL or VISBATCH_CACHE_COLD_URL"
+        return UserError(f"{exc.setting or 'object store URL'} {exc.url}: {exc.reason}",
+                         f"correct {setting}: {StoreUrlError.FORMS}")  # fmt: skip
     module = type(exc).__module__ or ""
     # The database (SQLAlchemy wraps the driver's error; the URL is masked: no password).
     if module.startswith("sqlalchemy"):

@@ -110,6 +110,9 @@ class Runtime:
         self._lock = threading.Lock()
         self._splitters: list[IsolatedSplitter] = []
         self.model_name = resolve_model_name(model or settings.model)
+        from storage.object_store import check_store_urls
+
+        check_store_urls(settings)
         # Processes one splitting child spreads a PDF's pages over (ingest.spread).
         cores = os.cpu_count() or 1
         self.split_processes = settings.ingest_processes or max(1, cores // settings.ingest_workers)

@@ -259,6 +259,9 @@ def worker(
             f"choose from {', '.join(QUEUES)}",
         )
     settings = Settings()
+    from storage.object_store import check_store_urls
+
+    check_store_urls(settings)  # here, not in a child the supervisor would start again and again
     if supervise:
         # The child names itself: each worker process is its own instance (worker.drivers.fleet.heartbeats).
         child = ["worker", "--queues", ",".join(chosen), "--loglevel", loglevel,
