@@ -548,8 +548,8 @@ def test_a_folder_marked_after_start_is_left_alone(
     ],
 )
 def test_moved_and_note_keys_always_fit(relative: str) -> None:
+    from worker.drivers.dropfolder.guard import MAX_FOLDER_BYTES
     from worker.drivers.dropfolder.keys import MAX_KEY_BYTES, display_key, error_key, fits, moved_key
-    from worker.drivers.dropfolder.watcher import MAX_FOLDER_BYTES
 
     prefix = "d" * (MAX_FOLDER_BYTES - 1) + "/"  # the longest done prefix a watcher accepts
     for folder in ("done/", prefix):

@@ -291,6 +291,42 @@ def test_watch_refuses_a_prefix_holding_the_store(
     assert _keys(s3_client, s3_bucket) == ["store/images/ab/cd.png"] and _claims(pg) == []
 
 
+def test_watch_refuses_a_mistyped_prefix_before_it_makes_a_database(tmp_path: Path) -> None:
+    """Before: `watch bucket/inbox` (no s3://) created the current folder's database, then refused
+    with no fix. The folders are checked first: nothing is made, and the fix says the form."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VISBATCH_")}
+    env |= {"PYTHONPATH": str(ROOT), "VISBATCH_HOME": str(tmp_path / "home")}
+    for prefix, why in (("bucket/inbox", "not an s3:// URL"), ("s3://Bad_Bucket/in", "invalid S3 bucket")):
+        done = subprocess.run(
+            [VISBATCH, "watch", prefix], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.splitlines() == [
+            f"error: PREFIX {prefix}: {done.stderr.split(': ', 2)[2].splitlines()[0]}",
+            "fix: give the inbox as s3://BUCKET/PREFIX/ (a bucket: 3-63 lowercase letters, digits, . or -)",
+        ], done.stderr
+        assert why in done.stderr
+    assert list(tmp_path.iterdir()) == [], "a refused watch made files"
+
+
+def test_watch_of_a_missing_bucket_exits_at_its_first_poll(watch_env: dict[str, str], pg: Database) -> None:
+    """Before: a watch whose first listing can never work (no such bucket, no credentials) logged
+    a traceback every poll and made no job, for as long as it ran. Now it exits 4 at once, naming
+    the inbox and the cause; a listing that may work later (S3 away) is still waited out."""
+    done = subprocess.run(
+        [VISBATCH, "watch", "s3://no-such-bucket-here/inbox/", "-p", "hi", "--poll-seconds", "0.2"],
+        env=watch_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 4, done.stderr
+    assert "error: cannot watch s3://no-such-bucket-here/inbox/: NoSuchBucket:" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "fix: check the inbox's bucket, VISBATCH_S3_ENDPOINT_URL and the AWS credentials" in done.stderr
+    assert _claims(pg) == []
+
+
 def test_watch_process_says_what_it_does_in_its_log(
     watch_env: dict[str, str], tmp_path: Path, s3_client: Any, s3_bucket: str, pg: Database
 ) -> None:

@@ -29,7 +29,7 @@ from worker.cli.output import make_console, print_summary, shown_path, token_lin
 from worker.cli.purge import register as _register_purge
 from worker.cli.review import register as _register_review
 from worker.cli.workers import register as _register_workers
-from worker.errors import MODEL_FIX, UserError
+from worker.errors import MODEL_FIX, Unavailable, UserError
 
 
 class _Commands(VisbatchGroup):
@@ -99,6 +99,13 @@ def stored_database(settings: Settings) -> Any:
     return open_existing(settings.sqlalchemy_url())
 
 
+_WATCH_PREFIX_FIX = "give the inbox as s3://BUCKET/PREFIX/ (a bucket: 3-63 lowercase letters, digits, . or -)"
+_WATCH_S3_FIX = (
+    "check the inbox's bucket, VISBATCH_S3_ENDPOINT_URL and the AWS credentials (AWS_ACCESS_KEY_ID, "
+    "AWS_PROFILE ...)"
+)
+
+
 @app.command()
 def watch(
     prefix: Annotated[str, typer.Argument(metavar="PREFIX", help="s3://bucket/inbox/ to poll.")],
@@ -132,8 +139,9 @@ def watch(
     import threading
 
     from ingest.spec import JobSpec, SpecError, spec_from_json
-    from worker.drivers.dropfolder.guard import WatcherRefused
-    from worker.drivers.dropfolder.watcher import DropFolderWatcher
+    from storage.object_store import StoreUrlError
+    from worker.drivers.dropfolder.guard import WatcherRefused, watch_layout
+    from worker.drivers.dropfolder.watcher import DropFolderWatcher, protected_places
     from worker.drivers.fleet.submit import submit_job
 
     level = logging.getLevelName(log_level.upper())
@@ -152,20 +160,26 @@ def watch(
             raise UserError(f"--spec {spec_file}: {exc}") from None
     elif prompt:
         default = JobSpec(prompts=prompt)
-    rt = make_runtime(None)
+    # The folders first: a mistyped prefix is refused before the database is made or opened.
     try:
-        watcher = DropFolderWatcher.from_settings(
-            rt.settings,
-            prefix,
-            rt.db,
-            lambda uris, spec: submit_job(rt, uris, spec),
-            default_spec=default,
-            done_prefix=done_prefix or None,
-            failed_prefix=failed_prefix or None,
-            poll_seconds=poll_seconds,
-        )
-    except ValueError as exc:  # WatcherRefused included: one line, exit 2
+        watch_layout(prefix, done_prefix or None, failed_prefix or None, protected_places(Settings()))
+    except StoreUrlError as exc:
+        raise UserError(f"PREFIX {exc}", _WATCH_PREFIX_FIX) from None
+    except WatcherRefused as exc:
         raise UserError(str(exc)) from None
+    except ValueError as exc:
+        raise UserError(str(exc), "give a folder such as done/ ('' keeps objects where they are)") from None
+    rt = make_runtime(None)
+    watcher = DropFolderWatcher.from_settings(
+        rt.settings,
+        prefix,
+        rt.db,
+        lambda uris, spec: submit_job(rt, uris, spec),
+        default_spec=default,
+        done_prefix=done_prefix or None,
+        failed_prefix=failed_prefix or None,
+        poll_seconds=poll_seconds,
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     from worker.drivers.fleet.stall_watch import StallWatch
@@ -174,6 +188,8 @@ def watch(
     try:
         watcher.run(stop)
     except WatcherRefused as exc:
+        if type(exc.__cause__).__module__.startswith("botocore"):  # the first listing: exit 4
+            raise Unavailable(str(exc), _WATCH_S3_FIX) from None
         raise UserError(str(exc)) from None
     except KeyboardInterrupt:
         stop.set()

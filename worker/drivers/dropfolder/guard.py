@@ -7,7 +7,9 @@ it would move the page images and cached tokens that running jobs read, and make
 So a watcher refuses to start, with one line saying why, when:
 
 * its inbox, done or failed prefix overlaps the object store or the token cache (same bucket,
-  one prefix inside the other): ``check_layout``, before anything is read;
+  one prefix inside the other), or its inbox lies inside its own done or failed folder:
+  ``watch_layout``, before anything is read (the command line checks it before it opens the
+  database);
 * its inbox holds a folder another watcher owns (its done or failed folder, or its inbox), or its
   own folders lie inside another watcher's inbox: ``check_markers``. Each watcher marks the
   folders it owns with a small ``.visbatch-watcher.json`` object when it starts, so the next one
@@ -25,16 +27,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
 from storage.db import Database
+from storage.object_store import parse_s3_url
 from worker.drivers.dropfolder.keys import display_key
 
 MARKER_NAME = ".visbatch-watcher.json"
 MAX_MOVED_CANDIDATES = 1000  # claim ids looked up at start: enough to recognise a moved folder
+MAX_FOLDER_BYTES = 512  # a done/failed folder: <folder>/<claim id>/ + a shortened name fits S3's 1,024 bytes
 
 
 class WatcherRefused(ValueError):
@@ -68,16 +72,60 @@ def overlaps(a: str, b: str) -> bool:
     return a.startswith(b) or b.startswith(a)
 
 
-def check_layout(inbox: Area, moved: Iterable[Area], protected: Iterable[Area]) -> None:
-    """Refuse an inbox, done or failed prefix that overlaps the store or the token cache."""
-    for area in protected:
-        for own in (inbox, *moved):
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A watcher's inbox and the folders it moves objects to (None where objects stay)."""
+
+    inbox: Area
+    done: Area | None
+    failed: Area | None
+
+    @property
+    def moved(self) -> list[Area]:
+        return [area for area in (self.done, self.failed) if area is not None]
+
+
+def watch_layout(
+    prefix_url: str,
+    done_prefix: str | None,
+    failed_prefix: str | None,
+    protected: Mapping[str, str | None],
+) -> Layout:
+    """The inbox of ``prefix_url`` and its done/failed folders (bucket-relative prefixes), checked
+    against each other and against ``protected`` (``{what: url}``: the object store, the token
+    cache). Reads nothing. Raises StoreUrlError for a prefix that is no s3:// URL, WatcherRefused
+    for a layout the watcher must not run with, ValueError for an unusable done/failed prefix."""
+    bucket, prefix = parse_s3_url(prefix_url)
+    inbox = Area("inbox", bucket, prefix + "/" if prefix else "")
+    done = _moved_area("done", bucket, done_prefix)
+    layout = Layout(inbox, done, _moved_area("failed", bucket, failed_prefix))
+    for area in layout.moved:
+        if inbox.prefix.startswith(area.prefix):
+            raise WatcherRefused(f"refusing to watch {inbox.url}: it lies inside the {area.name} {area.url}")
+    areas = [s3_area(name, url) for name, url in protected.items()]
+    for area in (a for a in areas if a is not None):
+        for own in (inbox, *layout.moved):
             if own.bucket == area.bucket and overlaps(own.prefix, area.prefix):
                 where = "lies inside" if own.prefix.startswith(area.prefix) else "contains"
                 raise WatcherRefused(
                     f"refusing to watch {inbox.url}: the {own.name} {own.url} {where} {area.name} "
                     f"{area.url}, whose objects the watcher would move; give them separate prefixes"
                 )
+    return layout
+
+
+def _moved_area(role: str, bucket: str, prefix: str | None) -> Area | None:
+    """The done or failed folder of a watcher, None where objects stay where they are."""
+    if prefix is None:
+        return None
+    prefix = prefix.strip("/")
+    if not prefix:
+        raise ValueError(f"--{role}-prefix: a done/failed prefix must not be the bucket root")
+    if len(prefix.encode()) > MAX_FOLDER_BYTES or any(ord(ch) < 32 or ord(ch) == 127 for ch in prefix):
+        raise ValueError(
+            f"--{role}-prefix: a done/failed prefix must be plain text of at most {MAX_FOLDER_BYTES} bytes"
+        )
+    return Area(f"{role} prefix", bucket, prefix + "/")
 
 
 def marker_body(role: str, inbox: Area, moved: Iterable[Area]) -> bytes:

@@ -65,7 +65,7 @@ def moved_key(prefix: str, claim_id: int, relative: str) -> str:
     """Where a claimed object moves: ``<prefix><claim id>/<relative>`` when that is a key S3 and
     the readers accept, else ``<prefix><claim id>/<shortened file name>`` (see the module doc).
 
-    ``prefix`` ends with '/' and is bounded by the watcher (``MAX_FOLDER_BYTES``), so the
+    ``prefix`` ends with '/' and is bounded by the watcher (``guard.MAX_FOLDER_BYTES``), so the
     shortened form always fits."""
     key = f"{prefix}{claim_id}/{relative}"
     if fits(key):

@@ -72,17 +72,15 @@ from storage.claims import release_claim
 from storage.db import Database
 from storage.errors import is_transient
 from storage.models import ClaimStatus
-from storage.object_store import S3ObjectStore, is_not_found, make_s3_client, parse_s3_url
+from storage.object_store import S3ObjectStore, is_not_found, make_s3_client
 from storage.repository import claim_object, find_claim, set_claim
 from worker.drivers.dropfolder.guard import (
     MARKER_NAME,
-    Area,
     WatcherRefused,
-    check_layout,
     check_markers,
     marker_body,
     moved_folders,
-    s3_area,
+    watch_layout,
 )
 from worker.drivers.dropfolder.keys import ERROR_SUFFIX, display_key, error_key, moved_key
 
@@ -90,8 +88,6 @@ log = logging.getLogger(__name__)
 
 SPEC_SUFFIX = ".spec.json"
 FOLDER_SPEC = "_spec.json"
-# done/<claim id>/ + a shortened name must always fit in S3's 1,024 bytes.
-MAX_FOLDER_BYTES = 512
 _MAX_REMEMBERED = 10_000  # bounded memories of a long-running watcher
 _LONG_WORD = re.compile(r"\S{97,}")
 
@@ -137,15 +133,13 @@ def _is_spec(key: str) -> bool:
     return name == FOLDER_SPEC or name.endswith(SPEC_SUFFIX)
 
 
-def _folder_prefix(prefix: str | None) -> str | None:
-    if prefix is None:
-        return None
-    prefix = prefix.strip("/")
-    if not prefix:
-        raise ValueError("a done/failed prefix must not be the bucket root")
-    if len(prefix.encode()) > MAX_FOLDER_BYTES or any(ord(ch) < 32 or ord(ch) == 127 for ch in prefix):
-        raise ValueError(f"a done/failed prefix must be plain text of at most {MAX_FOLDER_BYTES} bytes")
-    return prefix + "/"
+def protected_places(settings: Any) -> dict[str, str | None]:
+    """``{what: url}`` of the settings' places a watcher must never move objects from."""
+    return {
+        "the object store (VISBATCH_STORE_URL)": settings.object_store_url(),
+        "the token cache (VISBATCH_CACHE_URL)": settings.token_cache_url(),
+        "the cold token cache (VISBATCH_CACHE_COLD_URL)": settings.cache_cold_url,
+    }
 
 
 def _now() -> str:
@@ -176,26 +170,14 @@ class DropFolderWatcher:
         # visbatch's content keys never have.
         self.client = s3.client if isinstance(s3, S3ObjectStore) else s3
         self.db = db
-        self.bucket, prefix = parse_s3_url(prefix_url)
-        self.prefix = prefix + "/" if prefix else ""
+        layout = watch_layout(prefix_url, done_prefix, failed_prefix, protected or {})
+        self.inbox, self.moved = layout.inbox, layout.moved
+        self.bucket, self.prefix = layout.inbox.bucket, layout.inbox.prefix
+        self.done_prefix = layout.done.prefix if layout.done else None
+        self.failed_prefix = layout.failed.prefix if layout.failed else None
         self.submit = submit
         self.default_spec = default_spec
-        self.done_prefix = _folder_prefix(done_prefix)
-        self.failed_prefix = _folder_prefix(failed_prefix)
         self.poll_seconds = poll_seconds
-        self.inbox = Area("inbox", self.bucket, self.prefix)
-        self.moved = [
-            Area(f"{role} prefix", self.bucket, folder)
-            for role, folder in (("done", self.done_prefix), ("failed", self.failed_prefix))
-            if folder is not None
-        ]
-        for area in self.moved:
-            if self.prefix.startswith(area.prefix):
-                raise WatcherRefused(
-                    f"refusing to watch {self.inbox.url}: it lies inside the {area.name} {area.url}"
-                )
-        areas = [s3_area(name, url) for name, url in (protected or {}).items()]
-        check_layout(self.inbox, self.moved, [a for a in areas if a is not None])
         self._started = False
         # Problems are logged once per (key, etag, message), not once per poll.
         self._reported: set[tuple[str, str, str]] = set()
@@ -216,20 +198,16 @@ class DropFolderWatcher:
         cls, settings: Any, prefix_url: str, db: Database, submit: Submit, **kwargs: Any
     ) -> DropFolderWatcher:
         """A watcher with the settings' S3 endpoint, guarding the settings' store and token cache."""
-        protected = {
-            "the object store (VISBATCH_STORE_URL)": settings.object_store_url(),
-            "the token cache (VISBATCH_CACHE_URL)": settings.token_cache_url(),
-            "the cold token cache (VISBATCH_CACHE_COLD_URL)": settings.cache_cold_url,
-        }
         kwargs.setdefault("endpoint_url", settings.s3_endpoint_url)
-        return cls.from_url(prefix_url, db, submit, protected=protected, **kwargs)
+        return cls.from_url(prefix_url, db, submit, protected=protected_places(settings), **kwargs)
 
     # -- the loop ----------------------------------------------------------------------------
 
     def run(self, stop_event: threading.Event) -> None:
         """poll_once every ``poll_seconds`` until ``stop_event`` is set; a failed poll is logged
         and retried at the next interval (S3 or the database may be briefly away). A refusal
-        (WatcherRefused) ends the loop: it is raised to the caller."""
+        (WatcherRefused) ends the loop: it is raised to the caller, as is a first poll's failure
+        that retrying cannot change (its cause chained)."""
         log.info("watching %s every %.1f s", self.inbox.url, self.poll_seconds)
         failing = False  # an outage is said when it starts and when it ends, not at every poll
         while not stop_event.is_set():
@@ -238,6 +216,11 @@ class DropFolderWatcher:
             except WatcherRefused:
                 raise
             except Exception as exc:
+                if not self._started and not is_transient(exc):
+                    # The first poll failed for a reason a retry cannot change (no credentials, no
+                    # such bucket, access denied): a daemon that logged it every poll would look
+                    # alive and never make a job.
+                    raise WatcherRefused(f"cannot watch {self.inbox.url}: {_describe(exc)}") from exc
                 if not (is_transient(exc)):
                     log.exception("drop folder: poll of %s failed", self.inbox.url)
                 elif not failing:
