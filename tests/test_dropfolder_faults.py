@@ -300,12 +300,9 @@ def test_watch_refuses_a_mistyped_prefix_before_it_makes_a_database(tmp_path: Pa
         done = subprocess.run(
             [VISBATCH, "watch", prefix], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
         )
-        assert done.returncode == 2, done.stderr
-        assert done.stderr.splitlines() == [
-            f"error: PREFIX {prefix}: {done.stderr.split(': ', 2)[2].splitlines()[0]}",
-            "fix: give the inbox as s3://BUCKET/PREFIX/ (a bucket: 3-63 lowercase letters, digits, . or -)",
-        ], done.stderr
-        assert why in done.stderr
+        error, fix = done.stderr.splitlines()
+        assert done.returncode == 2 and error.startswith(f"error: PREFIX {prefix}: {why}"), done.stderr
+        assert fix.startswith("fix: give the inbox as s3://BUCKET/PREFIX/ (a bucket: 3-63 lowercase"), fix
     assert list(tmp_path.iterdir()) == [], "a refused watch made files"
 
 
