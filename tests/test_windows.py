@@ -280,6 +280,28 @@ def test_a_time_window_over_a_pdf_is_refused_before_the_job_starts(tmp_path, mon
         visbatch.run([folder], prompts=["q"], window="2:3", model=str(tmp_path / "no-model"))
 
 
+def test_plan_refuses_what_run_and_submit_refuse(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """Before: `plan doc.pdf --window 10s` printed a plan of one request for a PDF (exit 0) that
+    `run` then refused. Now plan refuses it before any figure, as run does, and so the misuses of
+    --drop-static; nothing is written to stdout."""
+    from typer.testing import CliRunner
+
+    from worker.cli.main import app
+
+    monkeypatch.setenv("VISBATCH_HOME", str(tmp_path / "home"))
+    folder = _inputs(tmp_path, pages=2)
+    common = [str(folder), "--model", str(tiny_model_dir), "-p", "q"]
+    for extra, says in (
+        (["--window", "10s"], "doc.pdf: --window 10s counts seconds of video, and this is a PDF"),
+        (["--drop-static", "0.1"], "--drop-static 0.1: it drops what did not change"),
+        (["--window", "2", "--drop-static", "0.1", "--prune-keep", "0.5"], "with --prune-keep or --merge"),
+    ):
+        result = CliRunner().invoke(app, ["plan", *common, *extra])
+        assert result.exit_code == 2 and says in result.stderr, result.output
+        assert result.stdout == "", result.stdout
+    assert not (tmp_path / "home").exists()
+
+
 def test_the_result_rows_view_says_what_a_window_covers(db) -> None:
     from sqlalchemy import text
 

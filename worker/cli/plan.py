@@ -98,6 +98,7 @@ def plan(
         plan_job,
         windows_over_context,
     )
+    from worker.stages.window_checks import refuse_window_misuse
 
     settings = Settings()
     spec = job.spec(default_prompt=DEFAULT_PLAN_PROMPT)
@@ -119,6 +120,7 @@ def plan(
     defaults = (S3_USD_PER_GB_MONTH, S3_USD_PER_1000_PUT, S3_USD_PER_1000_GET)
     prices = S3Prices(*given) if given == defaults else S3Prices(*given, source="given on the command line")
     files = chosen_files(paths, job)
+    refuse_window_misuse(spec, files)  # as run and submit refuse them, before a figure is shown
     model = job.model or settings.model
     # As `run` says it (stderr: stdout keeps the plan): which model, and why that one.
     console.print(f"model: {escape(model)} (from {escape(model_origin(settings, job.model))})")

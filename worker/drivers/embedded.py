@@ -43,13 +43,8 @@ from worker.stages.failures import ENCODE, GENERATE, INGEST, SourceWork
 from worker.stages.generate import GenerateService, JobUnits, UnitIds
 from worker.stages.ingest import IngestStep, ingest_source, local_copy
 from worker.stages.runner import Retry, Stage, Stopped, UnitsWork, after_failure, run_tries
-from worker.stages.start import (
-    SourceInput,
-    SourceToIngest,
-    refuse_misfit_window,
-    reopen_job,
-    start_job,
-)
+from worker.stages.start import SourceInput, SourceToIngest, reopen_job, start_job
+from worker.stages.window_checks import refuse_misfit_window
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ from storage import repository as repo
 from storage.models import FINISHED_JOB_STATUSES
 from visbatch.settings import Settings
 from worker.runtime import Runtime
-from worker.stages.start import SourceInput, SourceToIngest, refuse_misfit_window, start_job
+from worker.stages.start import SourceInput, SourceToIngest, start_job
+from worker.stages.window_checks import refuse_misfit_window
 
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
