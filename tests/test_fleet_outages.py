@@ -312,7 +312,11 @@ def _fault_then_second_job(o: Outages, tmp: Path, stage: str, fault: Callable[[]
         # and a poll starved by it saw the first results only once generation had ended.
         job, ahead = _submit(o, docs, GENERATE_OPTIONS, render_ahead=False)
         total = sum(d.pages for d in docs) * len(PROMPTS)
-        _wait_for(lambda: fleet.result_count(job) > 0, 240, f"first results of {job}\n{fleet.logs()}")
+        # The event: units encoded, waiting for (or in) generation. Not the first results: a GPU
+        # worker may store all of a small job's answers in one flush, and a poll for the first of
+        # them then sees the last (a fresh-clone run saw 60 of 60 at once).
+        encoded = "SELECT count(*) FROM units WHERE job_id = :j AND status = 'encoded'"
+        _wait_for(lambda: _count(o, encoded, job) > 0, 240, f"first encoded units of {job}\n{fleet.logs()}")
         assert fleet.result_count(job) < total, "generation ended before the fault: make it longer"
     started = time.monotonic()
     fault()
