@@ -12,6 +12,8 @@ visbatch's, the message is back in its queue and nothing stays unacknowledged.
 
 from __future__ import annotations
 
+import base64
+import json
 from pathlib import Path
 
 import pytest
@@ -153,6 +155,46 @@ def test_a_live_holders_message_stays_with_it(tmp_path):
             assert connection.default_channel.qos.restore_orphans() == 0  # its holder (us) is alive
             client = redis.Redis.from_url(server.url)
             assert client.llen("q") == 0 and client.hlen("unacked") == 1
+            client.close()
+    finally:
+        server.stop()
+
+
+def test_an_ack_and_a_hand_back_made_while_the_broker_is_away_are_done_once_it_is_back(tmp_path):
+    """Before: a worker that handed a message back (a retry it could not publish) while Redis
+    restarted left it in the unacknowledged record until the visibility timeout (a fleet job done
+    102 s after a 3-s restart), and a finished task's lost ack had its message handed out and done
+    again. Now both wait in the process and are done by the next sweep once the broker is back."""
+    server = RedisServer(tmp_path / "broker")
+    try:
+        queue = Queue("q", Exchange("q", type="direct"), routing_key="q")
+        options = {"visibility_timeout": 3600}
+        with Connection(server.url, transport=TRANSPORT, transport_options=options) as connection:
+            producer = connection.Producer()
+            for n in (1, 2):
+                producer.publish({"n": n}, exchange=queue.exchange, routing_key="q", declare=[queue])
+            held = []
+            Consumer(
+                connection.default_channel, [queue], callbacks=[lambda body, m: held.append(m)]
+            ).consume()
+            while len(held) < 2:
+                connection.drain_events(timeout=5)
+            handed_back, finished = sorted(held, key=lambda m: m.payload["n"])
+            server.stop()
+            with pytest.raises(redis.exceptions.ConnectionError):
+                handed_back.reject(requeue=True)
+            with pytest.raises(redis.exceptions.ConnectionError):
+                finished.ack()
+            qos = connection.default_channel.qos
+            assert qos.settle() == 0  # still away: kept for the next sweep
+            server.start()
+            client = redis.Redis.from_url(server.url)
+            assert client.llen("q") == 0 and client.hlen("unacked") == 2  # as the restart left them
+            qos.restore_visible()  # the sweep a live channel makes every few seconds
+            (back,) = [json.loads(m) for m in client.lrange("q", 0, -1)]
+            assert json.loads(base64.b64decode(back["body"])) == {"n": 1}  # the handed-back one
+            assert client.llen("q") == 1 and client.hlen("unacked") == 0 and client.hlen("unacked_owner") == 0
+            assert qos.settle() == 0  # done once
             client.close()
     finally:
         server.stop()

@@ -27,6 +27,12 @@ sweep a live worker already makes (`unacked_restore_interval`, 5 s) also hands b
 deliveries whose holder's alive key is gone: a SIGKILLed worker's messages are in their queue
 again ALIVE_S to ALIVE_S + 5 s after the kill. A restore is kombu's own transaction, so a
 delivery acknowledged meanwhile, or restored by two sweeps, is restored at most once.
+
+An acknowledgement or a hand-back (a reject with requeue: a retry that could not be published)
+that the broker did not take because it was away is kept (``_Unsettled``) and done again by the
+next sweep once the broker is back: before, a handed-back message of a live worker waited in the
+unacknowledged record for the visibility timeout (a job done 102 s after a 3-s Redis restart),
+and a finished task's message was handed out and done again after it.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import time
 import weakref
 from typing import Any
 
+import redis.exceptions
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
@@ -95,11 +102,41 @@ _ALIVE = _AliveKey()
 def _new_process() -> None:
     """A forked child (a prefork pool's) is another holder (worker.drivers.fleet.instance gives it its own
     id) with its own renewals, never the parent's (which must lapse when the parent dies)."""
-    global _ALIVE
+    global _ALIVE, _UNSETTLED
     _ALIVE = _AliveKey()
+    _UNSETTLED = _Unsettled()
 
 
 os.register_at_fork(after_in_child=_new_process)
+
+
+# What a broker that went away fails with; OSError covers a socket torn mid-command.
+_CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+
+class _Unsettled:
+    """This process's acknowledgements and hand-backs that the broker did not take (delivery tag
+    -> requeue), settled by the next sweep of a live channel (QoS.settle). Process-wide: the
+    channel that took the delivery is dead by then, and a new one makes the sweeps."""
+
+    def __init__(self) -> None:
+        self._tags: dict[str, bool] = {}
+        self._lock = threading.Lock()
+
+    def add(self, delivery_tag: str, requeue: bool) -> None:
+        with self._lock:
+            self._tags[delivery_tag] = requeue
+
+    def pending(self) -> dict[str, bool]:
+        with self._lock:
+            return dict(self._tags)
+
+    def done(self, delivery_tag: str) -> None:
+        with self._lock:
+            self._tags.pop(delivery_tag, None)
+
+
+_UNSETTLED = _Unsettled()
 
 
 def owner_key(channel: Any) -> str:
@@ -127,9 +164,43 @@ class QoS(kombu_redis.QoS):
     def _remove_from_indices(self, delivery_tag: str, pipe: Any = None) -> Any:
         return super()._remove_from_indices(delivery_tag, pipe).hdel(owner_key(self.channel), delivery_tag)
 
+    def ack(self, delivery_tag: str) -> None:
+        try:
+            super().ack(delivery_tag)
+        except _CONNECTION_ERRORS:
+            _UNSETTLED.add(delivery_tag, requeue=False)
+            raise
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        try:
+            super().reject(delivery_tag, requeue=requeue)
+        except _CONNECTION_ERRORS:
+            _UNSETTLED.add(delivery_tag, requeue=requeue)
+            raise
+
     def restore_visible(self, start: int = 0, num: int = 10, interval: int = 10) -> None:
+        self.settle()
         super().restore_visible(start, num, interval)
         self.restore_orphans()
+
+    def settle(self) -> int:
+        """Do again the acknowledgements and hand-backs the broker did not take; how many were
+        done. A restore or a removal that already happened is not done twice: a tag no longer
+        recorded is restored as nothing, and removing it again changes nothing."""
+        settled = 0
+        for tag, requeue in _UNSETTLED.pending().items():
+            try:
+                if requeue:
+                    self.restore_by_tag(tag, leftmost=True)
+                else:
+                    self._remove_from_indices(tag).execute()
+            except _CONNECTION_ERRORS:
+                return settled  # still away: the next sweep tries again
+            _UNSETTLED.done(tag)
+            settled += 1
+        if settled:
+            log.info("broker back: %d acknowledgement(s) or hand-back(s) it missed made now", settled)
+        return settled
 
     def restore_orphans(self) -> int:
         """Hand back the deliveries whose holder's alive key is gone; how many."""
