@@ -325,9 +325,9 @@ def _fault_then_second_job(o: Outages, tmp: Path, stage: str, fault: Callable[[]
     fleet.wait([job], timeout=JOB_TIMEOUT_S)
     recovered = time.monotonic()
     _check_job(o, job, docs, since, ahead)
-    # Done soon after the service is back: not by Redis's visibility timeout (100 s shipped; a
-    # hand-back made while Redis was away waited for it: 102 s) nor the stall watch's threshold.
-    assert recovered - started < 90, f"job done {recovered - started:.0f} s after the fault\n{fleet.logs()}"
+    # Done soon after the service is back (7-39 s here): never by waiting out Redis's visibility
+    # timeout (100 s shipped; a hand-back made while Redis was away did: 102 s) or the stall watch.
+    assert recovered - started < 100, f"job done {recovered - started:.0f} s after the fault\n{fleet.logs()}"
     # The second job, on the same workers.
     since = _log_marks(fleet)
     second = _docs(tmp, "b", (4, False), (7, False))
