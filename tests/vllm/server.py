@@ -55,7 +55,9 @@ class VLLMServer:
 
     def __init__(self, model_dir: Path, serve_flags: list[str], cpu_options: dict, log_path: Path) -> None:
         self.port = free_port()
-        self.api_key = secrets.token_urlsafe(24)
+        # "sk-" first: a bare token_urlsafe starts with "-" one time in 64, and `vllm serve` then
+        # read it as an option ("--api-key: expected at least one argument"; a CI run failed so).
+        self.api_key = "sk-" + secrets.token_urlsafe(24)
         self.log_path = log_path
         flags = [
             *serve_flags,
