@@ -222,8 +222,10 @@ def test_abort_stops_the_request_at_the_server(vllm_server, vllm_adapter):
     _wait_for(lambda: seen.append(counters()) or seen[-1] == seen[-2], timeout_s=180, what="the server idle")
     tokens, finished = seen[-1]
     # They ran at the server, and stopped there when their HTTP calls were cancelled (vLLM aborts
-    # a request whose client went away): far fewer tokens than 2 x 12,000, and neither finished.
-    assert 0 < tokens - tokens_before < 2 * 12_000 * 0.8, (tokens_before, seen)
+    # a request whose client went away): fewer tokens than 2 x 12,000, and neither finished. Not
+    # "far fewer": with another test's engine on the two cores, the API process once saw the
+    # closed connections only after 87% of the tokens.
+    assert 0 < tokens - tokens_before < 2 * 12_000, (tokens_before, seen)
     assert finished == finished_before
     engine.close()
 
