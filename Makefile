@@ -126,9 +126,11 @@ $(VENV_VLLM)/.installed: pyproject.toml $(VLLM_REQS) $(VLLM_PINS) tests/vllm/bui
 # Over TEST_WORKERS xdist processes like `make test` (each module whole on one: its engine or
 # server started once): an engine start is mostly two processes spawned that import vLLM, so two
 # side by side took 6:00 where one after the other took 10:19 (2026-12-04, this 2-core VM);
-# tests/vllm/conftest.py gives each worker's engines a core of their own.
+# tests/vllm/conftest.py gives each worker's engines a core of their own. Tests marked `alone`
+# time what a server does and need the machine to themselves: they run after, in one process.
 test-vllm: install-vllm
-	VISBATCH_VLLM_TESTS=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm $(XDIST) --durations=25
+	VISBATCH_VLLM_TESTS=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm $(XDIST) -m "not alone" --durations=25
+	VISBATCH_VLLM_TESTS=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm -m alone
 
 lint: install-dev
 	$(BIN)/ruff check .
