@@ -51,7 +51,8 @@ class StoreUrlError(ValueError):
     """A URL that names no object store (a scheme other than file/s3, a bad bucket name, an unsafe
     prefix); ``setting``: the variable it came from, where the caller knows it."""
 
-    FORMS = "file:///FOLDER or s3://BUCKET/PREFIX (a bucket: 3-63 lowercase letters, digits, dots, hyphens)"
+    BUCKET_RULE = "a bucket: 3-63 lowercase letters, digits, dots, hyphens"
+    FORMS = f"file:///FOLDER or s3://BUCKET/PREFIX ({BUCKET_RULE})"
 
     def __init__(self, url: str, reason: str, setting: str | None = None) -> None:
         super().__init__(f"{url}: {reason}")

@@ -99,7 +99,6 @@ def stored_database(settings: Settings) -> Any:
     return open_existing(settings.sqlalchemy_url())
 
 
-_WATCH_PREFIX_FIX = "give the inbox as s3://BUCKET/PREFIX/ (a bucket: 3-63 lowercase letters, digits, . or -)"
 _WATCH_S3_FIX = (
     "check the inbox's bucket, VISBATCH_S3_ENDPOINT_URL and the AWS credentials (AWS_ACCESS_KEY_ID, "
     "AWS_PROFILE ...)"
@@ -164,7 +163,8 @@ def watch(
     try:
         watch_layout(prefix, done_prefix or None, failed_prefix or None, protected_places(Settings()))
     except StoreUrlError as exc:
-        raise UserError(f"PREFIX {exc}", _WATCH_PREFIX_FIX) from None
+        fix = f"give the inbox as s3://BUCKET/PREFIX/ ({StoreUrlError.BUCKET_RULE})"
+        raise UserError(f"PREFIX {exc}", fix) from None
     except WatcherRefused as exc:
         raise UserError(str(exc)) from None
     except ValueError as exc:

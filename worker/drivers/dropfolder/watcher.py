@@ -216,12 +216,13 @@ class DropFolderWatcher:
             except WatcherRefused:
                 raise
             except Exception as exc:
-                if not self._started and not is_transient(exc):
+                transient = is_transient(exc)
+                if not self._started and not transient:
                     # The first poll failed for a reason a retry cannot change (no credentials, no
                     # such bucket, access denied): a daemon that logged it every poll would look
                     # alive and never make a job.
                     raise WatcherRefused(f"cannot watch {self.inbox.url}: {_describe(exc)}") from exc
-                if not (is_transient(exc)):
+                if not transient:
                     log.exception("drop folder: poll of %s failed", self.inbox.url)
                 elif not failing:
                     log.warning(
