@@ -134,7 +134,8 @@ def watch(
 
     Each object becomes one job, exactly once (a _spec.json beside the objects may give their
     prompts and schema). Refuses (exit 2) a prefix that holds the object store, the token cache or
-    another watcher's folders."""
+    another watcher's folders; exits 4 when its first listing cannot work (no such bucket, no
+    credentials). S3 away for a while is waited out."""
     import threading
 
     from ingest.spec import JobSpec, SpecError, spec_from_json
