@@ -316,7 +316,9 @@ def _fault_then_second_job(o: Outages, tmp: Path, stage: str, fault: Callable[[]
         # worker may store all of a small job's answers in one flush, and a poll for the first of
         # them then sees the last (a fresh-clone run saw 60 of 60 at once).
         encoded = "SELECT count(*) FROM units WHERE job_id = :j AND status = 'encoded'"
-        _wait_for(lambda: _count(o, encoded, job) > 0, 240, f"first encoded units of {job}\n{fleet.logs()}")
+        # Either sign will do: a fast GPU worker can take a unit from pending to done between polls.
+        started_generating = lambda: _count(o, encoded, job) > 0 or fleet.result_count(job) > 0  # noqa: E731
+        _wait_for(started_generating, 240, f"first encoded units or results of {job}\n{fleet.logs()}")
         assert fleet.result_count(job) < total, "generation ended before the fault: make it longer"
     started = time.monotonic()
     fault()
